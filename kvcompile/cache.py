@@ -1,0 +1,208 @@
+"""The ragged per-head paged KV cache.
+
+Layout (shape letters: L layers, B batch rows, Hkv KV heads, P page size, D head dim)::
+
+    k_pages, v_pages : [N_pages, P, D]        one pool for all layers; a page holds P tokens of ONE (layer, b, h)
+    page_pos         : [N_pages, P] int32     original sequence position of each stored token
+    page_table       : [L, B, Hkv, MAXP] int32  logical page i of head (l, b, h) -> physical page
+    lengths          : [L, B, Hkv] int32      tokens head (l, b, h) holds
+    obs_q            : [L, B, Hq, W, D]       the last W queries of each layer (what window scorers read)
+
+Token j of head (l, b, h) sits at row j % P of page ``page_table[l, b, h, j // P]``; see
+``kvcompile.kernels.reference`` for the loop that rebuilds dense keys from this. Page 0 is scratch: padding
+tokens are written there and never read, so writes keep static shapes and no head ever stores a pad.
+
+Pages are allocated ahead of use (``reserve``), so a decode step only computes row indices from lengths: O(heads),
+no allocation, no copy, static shapes. Compression compacts kept tokens to the front of each head's own pages and
+returns the pages past the new length to the free stack; ``trim`` then shrinks the pool tensors themselves so the
+process really holds only what is in use. The page format (dtype here) is a property of the pool alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .kernels import reference
+
+
+class PagedKVCache(nn.Module):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        num_q_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        page_size: int = 16,
+        obs_window: int = 0,
+        device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_layers, self.num_kv_heads, self.num_q_heads = num_layers, num_kv_heads, num_q_heads
+        self.head_dim, self.page_size, self.obs_window, self.dtype = head_dim, page_size, obs_window, dtype
+        self.batch_size = 0
+        self.n_free = 0  # host-side top of the free stack (allocation runs outside the decode step)
+        dev = torch.device(device)
+        L, Hkv, P, D = num_layers, num_kv_heads, page_size, head_dim
+        self.register_buffer("k_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
+        self.register_buffer("v_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
+        self.register_buffer("page_pos", torch.zeros(1, P, dtype=torch.int32, device=dev))
+        self.register_buffer("free_pages", torch.zeros(0, dtype=torch.int32, device=dev))
+        self.register_buffer("page_table", torch.zeros(L, 0, Hkv, 1, dtype=torch.int32, device=dev))
+        self.register_buffer("lengths", torch.zeros(L, 0, Hkv, dtype=torch.int32, device=dev))
+        self.register_buffer("n_pages", torch.zeros(L, 0, Hkv, dtype=torch.int64, device=dev))  # pages owned
+        self.register_buffer("obs_q", torch.zeros(L, 0, num_q_heads, obs_window, D, dtype=dtype, device=dev))
+        self.register_buffer("obs_pos", torch.full((0, obs_window), -1, dtype=torch.int64, device=dev))
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
+
+    def setup(self, batch_size: int) -> None:
+        """Empty the cache for ``batch_size`` rows. Keeps the pool's capacity (call ``trim`` to release it)."""
+        L, Hkv, dev = self.num_layers, self.num_kv_heads, self.device
+        self.batch_size = batch_size
+        self.page_table = torch.zeros(L, batch_size, Hkv, 1, dtype=torch.int32, device=dev)
+        self.lengths = torch.zeros(L, batch_size, Hkv, dtype=torch.int32, device=dev)
+        self.n_pages = torch.zeros(L, batch_size, Hkv, dtype=torch.int64, device=dev)
+        self.obs_q = torch.zeros(L, batch_size, self.num_q_heads, self.obs_window, self.head_dim, dtype=self.dtype, device=dev)
+        self.obs_pos = torch.full((batch_size, self.obs_window), -1, dtype=torch.int64, device=dev)
+        capacity = self.k_pages.shape[0]
+        self._set_free(torch.arange(capacity - 1, 0, -1, dtype=torch.int32, device=dev))  # page 0 is scratch
+
+    reset = setup
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of K plus V in one page."""
+        return 2 * self.page_size * self.head_dim * self.k_pages.element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K plus V of one token of one KV head."""
+        return 2 * self.head_dim * self.k_pages.element_size()
+
+    def pages_held(self) -> Tensor:
+        """[L, B, Hkv] pages that hold at least one token."""
+        return (self.lengths.long() + self.page_size - 1) // self.page_size
+
+    def bytes_held(self) -> Tensor:
+        """[B] bytes of K/V pages holding tokens, per sequence (page rounding included)."""
+        return self.pages_held().sum(dim=(0, 2)) * self.page_bytes
+
+    def metadata_bytes(self) -> int:
+        """Bytes of positions of held pages plus page tables and lengths (reported apart from the budget)."""
+        pos = int(self.pages_held().sum()) * self.page_size * self.page_pos.element_size()
+        return pos + self.page_table.nbytes + self.lengths.nbytes
+
+    def bytes_reserved(self) -> int:
+        """Bytes the pool tensors occupy right now (what the process really allocated for K/V)."""
+        return self.k_pages.nbytes + self.v_pages.nbytes + self.page_pos.nbytes
+
+    # ------------------------------------------------------------------ pages
+    def reserve(self, n_tokens: int | Tensor) -> None:
+        """Own enough pages that every head of row b can take ``n_tokens[b]`` more tokens. Grows the pool if needed."""
+        n = torch.as_tensor(n_tokens, device=self.device).long().expand(self.batch_size)
+        want = (self.lengths.long() + n[None, :, None] + self.page_size - 1) // self.page_size
+        need = (want - self.n_pages).clamp_min(0)
+        total = int(need.sum())
+        if total == 0:
+            return
+        if total > self.n_free:
+            self._grow(total - self.n_free)
+        max_pages = int(want.max())
+        if max_pages > self.page_table.shape[-1]:
+            pad = max_pages - self.page_table.shape[-1]
+            self.page_table = nn.functional.pad(self.page_table, (0, pad))
+        ids = self.free_pages[self.n_free - total : self.n_free]
+        self.n_free -= total
+        flat_need = need.flatten()
+        head = torch.repeat_interleave(torch.arange(flat_need.numel(), device=self.device), flat_need)
+        first = (flat_need.cumsum(0) - flat_need)[head]
+        slot = self.n_pages.flatten()[head] + torch.arange(total, device=self.device) - first
+        self.page_table.view(-1, self.page_table.shape[-1])[head, slot] = ids
+        self.n_pages += need
+
+    def release_unused(self) -> None:
+        """Return every page past each head's length to the free stack."""
+        idx = torch.arange(self.page_table.shape[-1], device=self.device)
+        spare = (idx >= self.pages_held()[..., None]) & (idx < self.n_pages[..., None])
+        ids = self.page_table[spare]
+        k = ids.numel()
+        if k:
+            self.free_pages[self.n_free : self.n_free + k] = ids
+            self.n_free += k
+            self.page_table.masked_fill_(spare, 0)
+        self.n_pages = self.pages_held()
+
+    def _grow(self, extra: int) -> None:
+        old = self.k_pages.shape[0]
+        new = old + max(extra, old // 2)  # geometric growth: few reallocations while prefill grows
+        P, D, dev = self.page_size, self.head_dim, self.device
+        k = torch.zeros(new, P, D, dtype=self.dtype, device=dev)
+        v = torch.zeros(new, P, D, dtype=self.dtype, device=dev)
+        pos = torch.zeros(new, P, dtype=torch.int32, device=dev)
+        k[:old], v[:old], pos[:old] = self.k_pages, self.v_pages, self.page_pos
+        self.k_pages, self.v_pages, self.page_pos = k, v, pos
+        fresh = torch.arange(new - 1, old - 1, -1, dtype=torch.int32, device=dev)
+        self._set_free(torch.cat([self.free_pages[: self.n_free], fresh]))
+
+    def trim(self, spare_pages: int = 0) -> None:
+        """Shrink the pool to the pages heads own plus ``spare_pages``, renumbering pages. Frees real memory."""
+        idx = torch.arange(self.page_table.shape[-1], device=self.device)
+        owned = idx < self.n_pages[..., None]
+        old_ids = self.page_table[owned].long()
+        n_used = old_ids.numel()
+        capacity = 1 + n_used + spare_pages
+        if capacity >= self.k_pages.shape[0]:
+            return
+        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), old_ids])
+        self.k_pages, self.v_pages, self.page_pos = self.k_pages[keep], self.v_pages[keep], self.page_pos[keep]
+        new_ids = torch.arange(1, n_used + 1, dtype=torch.int32, device=self.device)
+        self.page_table = torch.zeros_like(self.page_table).masked_scatter_(owned, new_ids)
+        if spare_pages:
+            pad = torch.zeros(spare_pages, *self.k_pages.shape[1:], dtype=self.dtype, device=self.device)
+            self.k_pages = torch.cat([self.k_pages, pad])
+            self.v_pages = torch.cat([self.v_pages, torch.zeros_like(pad)])
+            self.page_pos = torch.cat([self.page_pos, torch.zeros(spare_pages, self.page_size, dtype=torch.int32, device=self.device)])
+        self._set_free(torch.arange(capacity - 1, n_used, -1, dtype=torch.int32, device=self.device))
+
+    def _set_free(self, ids: Tensor) -> None:
+        """Make ``ids`` the free stack (top = last); the stack tensor can hold every page of the pool."""
+        self.free_pages = torch.zeros(self.k_pages.shape[0], dtype=torch.int32, device=self.device)
+        self.free_pages[: ids.numel()] = ids
+        self.n_free = ids.numel()
+
+    # ------------------------------------------------------------------ tokens
+    def slots_for(self, real: Tensor) -> Tensor:
+        """Pool rows [L, B, Hkv, T] where the new tokens go; ``real`` [B, T] marks non-pad tokens.
+
+        Call after ``reserve``. Real token t of row b becomes token ``lengths + (#real tokens before t)`` of every
+        head of that row; pads go to the scratch row 0.
+        """
+        rank = real.long().cumsum(-1) - 1  # [B, T]
+        j = self.lengths.long()[..., None] + rank[None, :, None, :]  # [L, B, Hkv, T]
+        rows = reference.rows_of(self.page_table, j.clamp_min(0), self.page_size)
+        return torch.where(real[None, :, None, :], rows, 0)
+
+    def dense(self, layer: int):
+        """Dense views of one layer: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S]."""
+        return reference.gather_dense(self.k_pages, self.v_pages, self.page_pos, self.page_table[layer], self.lengths[layer])
+
+    def stats(self) -> dict:
+        """Bytes held and per-(layer, KV head) lengths, per sequence."""
+        return {
+            "bytes_held": int(self.bytes_held().sum()),
+            "bytes_held_per_sequence": self.bytes_held().tolist(),
+            "metadata_bytes": self.metadata_bytes(),
+            "bytes_reserved": self.bytes_reserved(),
+            "page_size": self.page_size,
+            "pages_held": int(self.pages_held().sum()),
+            "lengths": self.lengths.tolist(),  # [L][B][Hkv]
+        }

@@ -1,0 +1,114 @@
+"""Pure-PyTorch reference kernels over the paged cache layout.
+
+These are the CPU path of every kvcompile op and the oracle the Triton kernels are tested against.
+
+Layout (see ``kvcompile.cache.PagedKVCache`` for the whole story)::
+
+    k_pages, v_pages : [N_pages, P, D]      page pool, one page = P tokens of one (layer, batch row, KV head)
+    page_pos         : [N_pages, P] int32   original sequence position of every stored token
+    page_table       : [B, Hkv, MAXP] int32 logical page i of head (b, h) -> physical page id
+    lengths          : [B, Hkv] int32       tokens held by head (b, h)
+
+Token ``j`` of head ``(b, h)`` lives at row ``j % P`` of page ``page_table[b, h, j // P]``. Page 0 is a scratch
+page that no head owns: writes of padding tokens land there and are never read. The dense loop that rebuilds
+one head's keys, the definition every function here follows::
+
+    keys = torch.stack([k_pages[page_table[b, h, j // P], j % P] for j in range(lengths[b, h])])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def rows_of(page_table: Tensor, j: Tensor, page_size: int) -> Tensor:
+    """Flat pool rows ``page * P + offset`` of logical tokens ``j`` [B, Hkv, K] of each head -> [B, Hkv, K] int64."""
+    pages = page_table.long().gather(-1, (j // page_size).clamp(0, page_table.shape[-1] - 1))
+    return pages * page_size + j % page_size
+
+
+def gather_dense(k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor):
+    """Dense per-head views of the cache: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S].
+
+    S is the longest head rounded up to whole pages; rows past a head's length are marked invalid.
+    """
+    P, D = k_pages.shape[1], k_pages.shape[2]
+    n_pages = int((lengths.max() + P - 1) // P) if lengths.numel() else 0
+    table = page_table[..., :n_pages].long()
+    rows = (table.unsqueeze(-1) * P + torch.arange(P, device=table.device)).flatten(-2)  # [B, Hkv, S]
+    flat_k, flat_v = k_pages.reshape(-1, D), v_pages.reshape(-1, D)
+    keys = flat_k[rows]
+    values = flat_v[rows]
+    positions = page_pos.reshape(-1)[rows].long()
+    valid = torch.arange(rows.shape[-1], device=rows.device) < lengths.unsqueeze(-1)
+    return keys, values, positions, valid
+
+
+def paged_attention(
+    q: Tensor,
+    q_pos: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_pos: Tensor,
+    page_table: Tensor,
+    lengths: Tensor,
+    scale: float,
+    window: int = 0,
+) -> Tensor:
+    """Attention of new queries over the keys each KV head holds.
+
+    q: [B, Hq, T, D]; q_pos: [B, T] original positions of the queries. A query sees a stored key when the key's
+    position is not after its own (causal) and, if ``window > 0``, is less than ``window`` positions behind.
+    Hq must be a multiple of Hkv (GQA: query head i reads KV head i // (Hq // Hkv)). Returns [B, Hq, T, D].
+    A query that sees no key (a padding row) gets a finite, meaningless output.
+    """
+    B, Hq, T, D = q.shape
+    keys, values, k_pos, valid = gather_dense(k_pages, v_pages, page_pos, page_table, lengths)
+    Hkv = keys.shape[1]
+    dq = q_pos.long()[:, None, :, None]  # [B, 1, T, 1]
+    dk = k_pos[:, :, None, :]  # [B, Hkv, 1, S]
+    visible = valid[:, :, None, :] & (dk <= dq)
+    if window > 0:
+        visible = visible & (dq - dk < window)
+    visible = visible | ~visible.any(-1, keepdim=True)  # keep rows with no visible key finite
+    G = Hq // Hkv
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.reshape(B, Hkv, G, T, D),
+        keys[:, :, None].to(q.dtype),
+        values[:, :, None].to(q.dtype),
+        attn_mask=visible[:, :, None],
+        scale=scale,
+    )
+    return out.reshape(B, Hq, T, D)
+
+
+def write_tokens(
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, k: Tensor, v: Tensor, pos: Tensor, slots: Tensor
+) -> None:
+    """Write new tokens into the pool in place. k, v: [B, Hkv, T, D]; pos: [B, T]; slots: [B, Hkv, T] flat rows."""
+    D = k_pages.shape[-1]
+    rows = slots.reshape(-1)
+    k_pages.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(k_pages.dtype))
+    v_pages.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(v_pages.dtype))
+    page_pos.view(-1).index_copy_(0, rows, pos[:, None, :].expand(slots.shape).reshape(-1).to(page_pos.dtype))
+
+
+def compact(
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, keep_idx: Tensor, keep_count: Tensor
+) -> None:
+    """Move each head's kept tokens to the front of its own pages, in place, K, V and positions together.
+
+    page_table: [B, Hkv, MAXP]; keep_idx: [B, Hkv, K] logical token indices, ascending in the first
+    ``keep_count[b, h]`` entries (the rest is ignored); keep_count: [B, Hkv]. After the call token j of head
+    (b, h) is the token that was at ``keep_idx[b, h, j]``. Pages past the new length are left as they were;
+    freeing them is the cache's job.
+    """
+    P, D = k_pages.shape[1], k_pages.shape[2]
+    K = keep_idx.shape[-1]
+    j = torch.arange(K, device=keep_idx.device)
+    live = j < keep_count.unsqueeze(-1)
+    src = rows_of(page_table, keep_idx.long(), P)[live]
+    dst = rows_of(page_table, j.expand_as(keep_idx), P)[live]
+    for pool in (k_pages.view(-1, D), v_pages.view(-1, D), page_pos.view(-1, 1)):
+        pool.index_copy_(0, dst, pool[src])  # pool[src] is a copy, so overlapping src/dst are safe

@@ -1,0 +1,40 @@
+"""SnapKV (https://arxiv.org/abs/2404.14469): rank keys by the attention the last prompt queries pay them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from .base import Observation, Scorer, protect, register_scorer
+
+
+@register_scorer("snapkv")
+@dataclass
+class SnapKV(Scorer):
+    """Mean attention from the observation window (the last ``window`` queries of what was prefilled), pooled over
+    each GQA group (``pool`` = "mean" or "max"), smoothed by a max-pool of width ``kernel``; the window itself is
+    always kept. Query-agnostic when the context is compressed before the question is read."""
+
+    window: int = 32
+    kernel: int = 7
+    pool: str = "mean"
+
+    def __post_init__(self):
+        if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"window must be >= 1 and kernel a positive odd number, got {self.window}, {self.kernel}")
+        if self.pool not in ("mean", "max"):
+            raise ValueError(f"pool must be 'mean' or 'max', got {self.pool!r}")
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def score(self, obs: Observation):
+        B, Hkv, S, _ = obs.keys.shape
+        attn = obs.window_attention().mean(2)  # [B, Hq, S]
+        grouped = attn.reshape(B, Hkv, -1, S)
+        pooled = grouped.mean(2) if self.pool == "mean" else grouped.amax(2)
+        smooth = F.max_pool1d(pooled, self.kernel, stride=1, padding=self.kernel // 2)
+        first_observed = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
+        return protect(smooth, obs.positions >= first_observed[:, None, None])

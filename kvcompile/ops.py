@@ -1,0 +1,78 @@
+"""The custom ops the rewritten graph calls, registered with ``torch.library``.
+
+Each attention op replaces one scaled-dot-product-attention node and does, for its layer: write the new K/V
+into the pages the cache reserved for them, remember the last queries for window scorers, and attend from the new
+queries over every token the layer's KV heads hold (causal by original position, optionally sliding-window).
+``prefill_attention`` and ``decode_attention`` share that contract; they differ in the kernel a backend picks
+(decode is one query per row, the case the paged decode kernel is built for). ``compact`` moves the kept tokens
+of every head to the front of its own pages.
+
+Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
+slots [L, B, Hkv, T] pool rows for the new tokens (``PagedKVCache.slots_for``). Cache tensors as in
+``kvcompile.cache``. Every op has a pure-PyTorch implementation (CPU, and the oracle in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .kernels import reference
+
+_MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
+
+
+def _observe(obs_q: Tensor, layer: int, q: Tensor) -> None:
+    """Keep the last W queries of this layer (rolling across calls, so chunked prefill sees a full window)."""
+    W = obs_q.shape[3]
+    if W == 0:
+        return
+    recent = torch.cat([obs_q[layer], q.to(obs_q.dtype)], dim=2)[:, :, -W:]
+    obs_q[layer].copy_(recent)
+
+
+def _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window):
+    reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
+    _observe(obs_q, layer, q)
+    return reference.paged_attention(
+        q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window
+    ).contiguous()
+
+
+@torch.library.custom_op("kvcompile::prefill_attention", mutates_args=_MUTATED)
+def prefill_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
+    layer: int, scale: float, window: int,
+) -> Tensor:
+    """Append T new tokens per row and attend causally over everything the layer holds. Returns [B, Hq, T, D]."""
+    return _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window)
+
+
+@torch.library.custom_op("kvcompile::decode_attention", mutates_args=_MUTATED)
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
+    layer: int, scale: float, window: int,
+) -> Tensor:
+    """Append one token per row and attend over each KV head's ragged pages. Returns [B, Hq, 1, D]."""
+    return _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window)
+
+
+@prefill_attention.register_fake
+@decode_attention.register_fake
+def _attention_fake(q, *args, **kwargs):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("kvcompile::compact", mutates_args=("k_pages", "v_pages", "page_pos"))
+def compact(
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, keep_idx: Tensor, keep_count: Tensor
+) -> None:
+    """Move each head's kept tokens (ascending logical indices) to the front of its own pages, in place."""
+    reference.compact(k_pages, v_pages, page_pos, page_table, keep_idx, keep_count)
+
+
+@compact.register_fake
+def _compact_fake(k_pages, v_pages, page_pos, page_table, keep_idx, keep_count):
+    return None

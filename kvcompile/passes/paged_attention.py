@@ -1,0 +1,91 @@
+"""Replace every scaled-dot-product-attention node with a kvcompile attention op bound to its layer."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from .. import ops  # noqa: F401  (registers torch.ops.kvcompile)
+from ..spec import ModelSpec
+from .base import GraphPass
+from .sdpa import UnsupportedGraph, find_sdpa, kv_heads_source, module_path, sdpa_args
+
+CACHE_BUFFERS = ("k_pages", "v_pages", "page_pos", "page_table", "lengths", "obs_q")
+
+
+class InsertPagedAttention(GraphPass):
+    """Route every SDPA node through the paged cache held by submodule ``cache_attr``.
+
+    Adds two graph inputs after the existing ones: ``kvc_q_pos`` [B, T] (original positions, -1 for padding) and
+    ``kvc_slots`` [L, B, Hkv, T] (pool rows for the new tokens). Keys and values are taken before ``repeat_kv``, so
+    the op sees one head per KV head. The model's own attention mask is dropped: the op rebuilds causal, padding
+    and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
+    is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
+    """
+
+    def __init__(self, spec: ModelSpec, decode: bool, cache_attr: str = "kvc_cache"):
+        self.spec, self.decode, self.cache_attr = spec, decode, cache_attr
+
+    def __call__(self, gm: fx.GraphModule) -> None:
+        graph, spec = gm.graph, self.spec
+        nodes = find_sdpa(graph)
+        if not nodes:
+            raise UnsupportedGraph(
+                "no scaled_dot_product_attention call found in the captured graph; load a transformers model with "
+                "attn_implementation='sdpa', or call torch.nn.functional.scaled_dot_product_attention in your module"
+            )
+        if len(nodes) != spec.num_layers:
+            raise UnsupportedGraph(
+                f"found {len(nodes)} attention nodes for {spec.num_layers} attention layers: "
+                + ", ".join(module_path(n) for n in nodes)
+            )
+        last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+        with graph.inserting_after(last_input):
+            slots = graph.placeholder("kvc_slots")
+        with graph.inserting_after(last_input):
+            q_pos = graph.placeholder("kvc_q_pos")
+        with graph.inserting_after(slots):
+            buffers = [graph.get_attr(f"{self.cache_attr}.{name}") for name in CACHE_BUFFERS]
+        op = torch.ops.kvcompile.decode_attention if self.decode else torch.ops.kvcompile.prefill_attention
+        for layer, node in enumerate(nodes):
+            call = sdpa_args(node)
+            self._check_semantics(node, call)
+            k = kv_heads_source(call.key, spec.num_kv_heads)
+            v = kv_heads_source(call.value, spec.num_kv_heads)
+            if k is None or v is None:
+                raise UnsupportedGraph(
+                    f"cannot trace the keys/values of {module_path(node)} back to {spec.num_kv_heads} KV heads "
+                    f"(node: {node.format_node()})"
+                )
+            scale = call.scale if call.scale is not None else spec.head_dim**-0.5
+            with graph.inserting_before(node):
+                new = graph.call_function(
+                    op, (call.query, k, v, q_pos, slots, *buffers),
+                    {"layer": layer, "scale": float(scale), "window": spec.windows[layer]},
+                )
+            new.meta = dict(node.meta)
+            new.meta["kvc.layer"] = layer
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        self.matched = len(nodes)
+
+    def _check_semantics(self, node: fx.Node, call) -> None:
+        if call.dropout_p not in (0, 0.0):
+            raise UnsupportedGraph(f"attention with dropout_p={call.dropout_p} at {module_path(node)}; call model.eval()")
+        if not self.spec.hf_causal_lm and (call.attn_mask is not None or not call.is_causal):
+            raise UnsupportedGraph(
+                f"{module_path(node)} calls scaled_dot_product_attention with an explicit mask or is_causal=False "
+                f"({node.format_node()}); kvcompile only rewrites causal attention (is_causal=True, attn_mask=None)"
+            )
+
+
+class DropDeadMaskCode(GraphPass):
+    """Erase export's tensor-metadata asserts, then dead code: the model's mask building has no users left."""
+
+    def __call__(self, gm: fx.GraphModule) -> None:
+        asserts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+        for n in asserts:
+            gm.graph.erase_node(n)
+        before = len(gm.graph.nodes)
+        gm.graph.eliminate_dead_code()
+        self.matched = len(asserts) + before - len(gm.graph.nodes)

@@ -1,0 +1,47 @@
+"""Tiny random models for unit tests: one per family, built from a config, nothing downloaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as tf
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
+
+# (config class, extra kwargs); GQA unless the name says mha
+FAMILIES = {
+    "llama": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "llama-mha": (tf.LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=4)),
+    "qwen2": (tf.Qwen2Config, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": (tf.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
+    "mistral": (tf.MistralConfig, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "gemma3": (
+        tf.Gemma3TextConfig,
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=6,
+             layer_types=["sliding_attention", "full_attention"]),
+    ),
+    "phi3-mha": (tf.Phi3Config, dict(num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)),
+}
+
+
+def tiny_model(family: str, seed: int = 0, layers: int = 2):
+    cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = cls(**{**_COMMON, "num_hidden_layers": layers, **extra}, eos_token_id=VOCAB - 1, bos_token_id=1)
+    return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def left_padded_batch(lengths, total: int, seed: int = 0):
+    """input_ids, attention_mask [len(lengths), total] with row i holding lengths[i] real tokens at the right."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB - 1, (len(lengths), total), generator=g)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, total - n :] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return tiny_model("llama", layers=3)

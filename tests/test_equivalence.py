@@ -1,0 +1,56 @@
+"""budget=1.0 must reproduce the unmodified model: prefill plus 32 greedy decode steps, every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import FAMILIES, left_padded_batch, tiny_model
+
+import kvcompile
+
+STEPS = 32
+
+
+def reference_logits(model, ids, mask):
+    """Last-position logits of the plain model over the whole sequence (no cache)."""
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+
+
+def check_greedy_equivalence(model, cm, ids, mask, tol=1e-4):
+    logits = cm.prefill(ids, mask)
+    ref = reference_logits(model, ids, mask)
+    real = mask.bool()
+    assert (logits[real] - ref[real]).abs().max() <= tol, "prefill logits differ"
+    for step in range(STEPS):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, token], 1)
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        logits = cm.decode(token)
+        ref = reference_logits(model, ids, mask)[:, -1:]
+        err = (logits - ref).abs().max().item()
+        assert err <= tol, f"decode step {step}: max |logits - reference| = {err:.3g}"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_full_budget_matches_model(family):
+    model = tiny_model(family)
+    cm = kvcompile.apply(model, budget=1.0, recipe="full", page_size=4)
+    ids, mask = left_padded_batch([11, 7, 4], total=11, seed=hash(family) % 1000)
+    check_greedy_equivalence(model, cm, ids, mask)
+
+
+def test_budget_one_with_compressing_recipe_keeps_everything(llama):
+    cm = kvcompile.apply(llama, budget=1.0, recipe="snapkv", page_size=4)
+    ids, mask = left_padded_batch([20, 13, 9], total=20)
+    check_greedy_equivalence(llama, cm, ids, mask)
+    assert cm.cache_stats()["tokens_held"] == int(mask.sum() + 3 * STEPS) * 3 * 2
+
+
+def test_model_object_left_unchanged(llama):
+    before = {k: v.clone() for k, v in llama.state_dict().items()}
+    forward = llama.forward
+    kvcompile.apply(llama, budget=0.5, recipe="snapkv")
+    assert llama.forward == forward and not llama.training
+    assert all(torch.equal(before[k], v) for k, v in llama.state_dict().items())
