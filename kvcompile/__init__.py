@@ -24,7 +24,7 @@ from .recipes import Recipe, get_recipe, recipes
 from .runtime import CompressedModel
 from .spec import ModelSpec
 
-__all__ = ["apply", "CompressedModel", "Recipe", "recipes", "load_model"]
+__all__ = ["apply", "CompressedModel", "Budget", "Recipe", "recipes", "load_model"]
 __version__ = "0.1.0"
 
 
@@ -40,7 +40,7 @@ def apply(
 
     Parameters
     ----------
-    model: a transformers causal LM loaded with ``attn_implementation="sdpa"``, or an ``nn.Module`` with
+    model: a ``CompressedModel`` (re-uses its captured graph: cheap), a transformers causal LM loaded with ``attn_implementation="sdpa"``, or an ``nn.Module`` with
         ``forward(input_ids [B, T], position_ids [B, T]) -> logits`` that calls
         ``F.scaled_dot_product_attention(..., is_causal=True)`` and declares ``num_layers``, ``num_heads``,
         ``num_kv_heads``, ``head_dim``. It is not modified.
@@ -62,13 +62,15 @@ def apply(
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
-    if not isinstance(model, nn.Module):
+    if isinstance(model, CompressedModel):  # re-target: same captured graph, new recipe or budget (no re-capture)
+        spec, captured, gen_config = model.spec, model.captured, model.generation_config
+    elif isinstance(model, nn.Module):
+        spec = ModelSpec.from_model(model)
+        captured, gen_config = capture(model, spec), getattr(model, "generation_config", None)
+    else:
         raise TypeError(f"apply() takes an nn.Module, got {type(model).__name__}")
-    spec = ModelSpec.from_model(model)
-    captured = capture(model, spec)
     return CompressedModel(
-        captured, spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk,
-        generation_config=getattr(model, "generation_config", None),
+        captured, spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk, generation_config=gen_config
     )
 
 

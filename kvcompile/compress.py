@@ -32,6 +32,8 @@ def score_all(cache: PagedKVCache, scorer: Scorer, scales, windows) -> Tensor:
 def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int) -> Tensor:
     """Round the heads with the smallest partial page down until each sequence fits ``max_pages`` [B] pages.
 
+    Heads that would be left empty are rounded down last.
+
     counts [L, B, Hkv]. If the counts sum to at most ``max_pages * page_size`` tokens, the overflow is at most the
     number of partly filled pages, so rounding that many heads down always suffices.
     """
@@ -39,7 +41,8 @@ def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int) -> Tensor:
     flat = counts.permute(1, 0, 2).reshape(B, L * Hkv)
     rem = flat % page_size
     over = ((flat + page_size - 1) // page_size).sum(-1) - max_pages  # [B]
-    order = rem.masked_fill(rem == 0, page_size).argsort(dim=-1, stable=True).argsort(dim=-1)
+    cost = rem + page_size * (flat < page_size)  # emptying a head is the last resort
+    order = cost.masked_fill(rem == 0, 2 * page_size).argsort(dim=-1, stable=True).argsort(dim=-1)
     cut = (order < over[:, None]) & (rem > 0)
     flat = torch.where(cut, flat - rem, flat)
     return flat.reshape(B, L, Hkv).permute(1, 0, 2).contiguous()

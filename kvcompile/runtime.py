@@ -40,7 +40,7 @@ class CompressedModel(nn.Module):
         generation_config=None,
     ):
         super().__init__()
-        self.spec, self.recipe, self.budget = spec, recipe, budget
+        self.spec, self.recipe, self.budget, self.captured = spec, recipe, budget, captured
         self.scorer, self.allocator = recipe.build()
         self.prefill_chunk = prefill_chunk
         self.generation_config = generation_config
@@ -101,15 +101,17 @@ class CompressedModel(nn.Module):
         return stats
 
     # ------------------------------------------------------------------ checks
-    def _check_tokens(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        """Validate a batch; return the real-token mask [B, T] (bool). Nothing is changed on failure."""
+    def _check_tokens(self, input_ids: Tensor, attention_mask: Tensor | None, *, fresh: bool = False, extra: int = 0) -> Tensor:
+        """Validate a batch (against an empty cache if ``fresh``, with ``extra`` tokens still to come); return the
+        real-token mask [B, T] (bool). Raises before anything is changed."""
+        current = None if fresh else self.seen
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
             raise ValueError("input_ids must be an integer tensor of shape [batch, tokens]")
         B, T = input_ids.shape
         if B == 0 or T == 0:
             raise ValueError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}")
-        if self.seen is not None and B != self.seen.shape[0]:
-            raise ValueError(f"batch size {B} does not match the {self.seen.shape[0]} sequences in the cache; call reset()")
+        if current is not None and B != current.shape[0]:
+            raise ValueError(f"batch size {B} does not match the {current.shape[0]} sequences in the cache; call reset()")
         if attention_mask is None:
             real = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
         else:
@@ -120,14 +122,14 @@ class CompressedModel(nn.Module):
             if not ((attention_mask == 0) | (attention_mask == 1)).all():
                 raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
             real = attention_mask.bool()
-        seen = self.seen if self.seen is not None else torch.zeros(B, dtype=torch.long, device=input_ids.device)
-        if self.seen is None and not real.any(1).all():
+        seen = current.to(real.device) if current is not None else torch.zeros(B, dtype=torch.long, device=real.device)
+        if current is None and not real.any(1).all():
             raise ValueError("a sequence in the batch has no tokens (its attention_mask row is all zeros)")
-        limit = self.spec.max_positions
-        if limit is not None and int((seen + real.sum(1)).max()) > limit:
+        limit, longest = self.spec.max_positions, int((seen + real.sum(1)).max()) + extra
+        if limit is not None and longest > limit:
             raise ValueError(
-                f"sequence too long: {int((seen + real.sum(1)).max())} positions, the model has {limit} "
-                "(max_position_embeddings)"
+                f"sequence too long: {longest} positions (including tokens still to generate), "
+                f"the model has {limit} (max_position_embeddings)"
             )
         return real.to(self.device)
 
@@ -229,12 +231,21 @@ class CompressedModel(nn.Module):
             eos_token_id = self.generation_config.eos_token_id
         eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=self.device)
         pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+        self._check_tokens(input_ids, attention_mask, fresh=True, extra=max_new_tokens)
+        if context_ids is not None:
+            if context_ids.dim() != 2 or context_ids.shape[0] != input_ids.shape[0]:
+                raise ValueError("context_ids must be [batch, tokens] with the same batch size as input_ids")
+            whole = torch.cat([context_ids, input_ids], 1)
+            whole_mask = None
+            if context_mask is not None or attention_mask is not None:
+                whole_mask = torch.cat([
+                    context_mask if context_mask is not None else torch.ones_like(context_ids),
+                    attention_mask if attention_mask is not None else torch.ones_like(input_ids),
+                ], 1)
+            self._check_tokens(context_ids, context_mask, fresh=True)
+            self._check_tokens(whole, whole_mask, fresh=True, extra=max_new_tokens)
         self.reset()
         if context_ids is not None:
-            self._check_tokens(context_ids, context_mask)
-            if context_ids.shape[0] != input_ids.shape[0]:
-                raise ValueError("context_ids and input_ids must have the same batch size")
-            self._check_tokens(input_ids, attention_mask)
             self.prefill(context_ids, context_mask)
             logits = self.prefill(input_ids, attention_mask, compress=False)
         else:

@@ -45,3 +45,11 @@ def left_padded_batch(lengths, total: int, seed: int = 0):
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama", layers=3)
+
+
+@pytest.fixture(scope="session")
+def llama_cm(llama):
+    """The 3-layer llama captured once; tests derive recipes and budgets with ``kvcompile.apply(llama_cm, ...)``."""
+    import kvcompile
+
+    return kvcompile.apply(llama, budget=1.0, recipe="full")

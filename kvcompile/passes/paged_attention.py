@@ -46,7 +46,7 @@ class InsertPagedAttention(GraphPass):
             q_pos = graph.placeholder("kvc_q_pos")
         with graph.inserting_after(slots):
             buffers = [graph.get_attr(f"{self.cache_attr}.{name}") for name in CACHE_BUFFERS]
-        op = torch.ops.kvcompile.decode_attention if self.decode else torch.ops.kvcompile.prefill_attention
+        op = torch.ops.kvcompile.decode_attention.default if self.decode else torch.ops.kvcompile.prefill_attention.default
         for layer, node in enumerate(nodes):
             call = sdpa_args(node)
             self._check_semantics(node, call)

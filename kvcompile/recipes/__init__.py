@@ -35,8 +35,11 @@ class Recipe:
 
     def build(self):
         """(scorer, allocator) instances; bad parameters raise here, before the model is touched."""
-        scorer = SCORERS[self.scorer](**self.scorer_args) if self.scorer else None
-        return scorer, ALLOCATORS[self.allocator](**self.allocator_args)
+        try:
+            scorer = SCORERS[self.scorer](**self.scorer_args) if self.scorer else None
+            return scorer, ALLOCATORS[self.allocator](**self.allocator_args)
+        except TypeError as e:  # an unknown or missing parameter name
+            raise ValueError(f"recipe {self.name!r}: {e}") from e
 
 
 _BUILTIN = [
