@@ -140,6 +140,7 @@ class PagedKVCache(nn.Module):
             self.n_free += k
             self.page_table.masked_fill_(spare, 0)
         self.n_pages = self.pages_held()
+        self.page_table = self.page_table[..., : max(int(self.n_pages.max()), 1)].contiguous()  # reads stay short
 
     def _grow(self, extra: int) -> None:
         old = self.k_pages.shape[0]

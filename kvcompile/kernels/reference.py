@@ -31,15 +31,13 @@ def rows_of(page_table: Tensor, j: Tensor, page_size: int) -> Tensor:
 def gather_dense(k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor):
     """Dense per-head views of the cache: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S].
 
-    S is the longest head rounded up to whole pages; rows past a head's length are marked invalid.
+    S = MAXP * P (the page table's width), so shapes depend on shapes only (no host sync, compile-friendly);
+    rows past a head's length are marked invalid.
     """
     P, D = k_pages.shape[1], k_pages.shape[2]
-    n_pages = int((lengths.max() + P - 1) // P) if lengths.numel() else 0
-    table = page_table[..., :n_pages].long()
-    rows = (table.unsqueeze(-1) * P + torch.arange(P, device=table.device)).flatten(-2)  # [B, Hkv, S]
-    flat_k, flat_v = k_pages.reshape(-1, D), v_pages.reshape(-1, D)
-    keys = flat_k[rows]
-    values = flat_v[rows]
+    rows = (page_table.long().unsqueeze(-1) * P + torch.arange(P, device=page_table.device)).flatten(-2)
+    keys = k_pages.reshape(-1, D)[rows]
+    values = v_pages.reshape(-1, D)[rows]
     positions = page_pos.reshape(-1)[rows].long()
     valid = torch.arange(rows.shape[-1], device=rows.device) < lengths.unsqueeze(-1)
     return keys, values, positions, valid
