@@ -35,6 +35,7 @@ def apply(
     *,
     page_size: int = 16,
     prefill_chunk: int | None = None,
+    compile=False,
 ) -> CompressedModel:
     """Return a ``CompressedModel`` whose attention runs over a compressed ragged per-head paged KV cache.
 
@@ -50,6 +51,9 @@ def apply(
     page_size: tokens per page (P). Smaller pages waste less to rounding; larger pages read faster.
     prefill_chunk: prefill long prompts this many tokens at a time, compressing between chunks, so the cache
         peaks near budget + one chunk.
+    compile: ``True`` sends the rewritten prefill and decode programs through ``torch.compile`` (Inductor,
+        ``fullgraph=True``; decode with static shapes, in a CUDA graph on CUDA); a backend name or callable
+        picks another backend.
 
     Example: ``kvcompile.apply(model, budget=0.25, recipe="adakv-snapkv")``.
     """
@@ -70,7 +74,8 @@ def apply(
     else:
         raise TypeError(f"apply() takes an nn.Module, got {type(model).__name__}")
     return CompressedModel(
-        captured, spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk, generation_config=gen_config
+        captured, spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk, generation_config=gen_config,
+        compile=compile,
     )
 
 

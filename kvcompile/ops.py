@@ -9,10 +9,13 @@ of every head to the front of its own pages.
 
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
 slots [L, B, Hkv, T] pool rows for the new tokens (``PagedKVCache.slots_for``). Cache tensors as in
-``kvcompile.cache``. Every op has a pure-PyTorch implementation (CPU, and the oracle in tests).
+``kvcompile.cache``. Every op has a pure-PyTorch implementation (CPU, and the oracle in tests); on CUDA the
+decode attention and the compaction run the Triton kernels of ``kvcompile.kernels``.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 from torch import Tensor
@@ -31,12 +34,18 @@ def _observe(obs_q: Tensor, layer: int, q: Tensor) -> None:
     obs_q[layer].copy_(recent)
 
 
+def _on_gpu(t: Tensor) -> bool:
+    """Triton kernels run on CUDA tensors; everything else takes the PyTorch reference."""
+    return t.is_cuda and importlib.util.find_spec("triton") is not None
+
+
 def _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window):
     reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
     _observe(obs_q, layer, q)
-    return reference.paged_attention(
-        q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window
-    ).contiguous()
+    attend = reference.paged_attention
+    if q.shape[2] == 1 and _on_gpu(q):
+        from .kernels.triton_decode import paged_decode as attend
+    return attend(q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window).contiguous()
 
 
 @torch.library.custom_op("kvcompile::prefill_attention", mutates_args=_MUTATED)
@@ -70,7 +79,10 @@ def compact(
     k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, keep_idx: Tensor, keep_count: Tensor
 ) -> None:
     """Move each head's kept tokens (ascending logical indices) to the front of its own pages, in place."""
-    reference.compact(k_pages, v_pages, page_pos, page_table, keep_idx, keep_count)
+    move = reference.compact
+    if _on_gpu(k_pages):
+        from .kernels.triton_compact import compact as move
+    move(k_pages, v_pages, page_pos, page_table, keep_idx, keep_count)
 
 
 @compact.register_fake

@@ -38,6 +38,7 @@ class CompressedModel(nn.Module):
         page_size: int = 16,
         prefill_chunk: int | None = None,
         generation_config=None,
+        compile=False,
     ):
         super().__init__()
         self.spec, self.recipe, self.budget, self.captured = spec, recipe, budget, captured
@@ -53,6 +54,8 @@ class CompressedModel(nn.Module):
         self.prefill_program = passes.rewrite(captured, spec, self.cache, decode=False)
         self.decode_program = passes.rewrite(captured, spec, self.cache, decode=True)
         self._scales = self._layer_scales()
+        if compile:
+            self._compile(compile)
         self.seen: Tensor | None = None  # [B] tokens each row has read (the next position)
         self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
         self.peak_bytes_held = 0
@@ -64,6 +67,21 @@ class CompressedModel(nn.Module):
             if "kvc.layer" in node.meta:
                 scales[node.meta["kvc.layer"]] = node.kwargs["scale"]
         return scales
+
+    def _compile(self, backend) -> None:
+        """Send both programs through ``torch.compile`` (Inductor by default) with no graph breaks allowed.
+
+        Decode has static shapes (it compiles once; lengths change values, not shapes) and, on CUDA, runs in a CUDA
+        graph (``mode="reduce-overhead"``). Prefill is compiled with a dynamic batch and length.
+        """
+        backend = "inductor" if backend is True else backend
+        cuda = self.device.type == "cuda"
+        mode = "reduce-overhead" if cuda and backend == "inductor" else None
+        if cuda:
+            for buf in self.cache.buffers():
+                torch._dynamo.mark_static_address(buf)
+        self.decode_program = torch.compile(self.decode_program, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+        self.prefill_program = torch.compile(self.prefill_program, backend=backend, fullgraph=True, dynamic=True)
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +162,7 @@ class CompressedModel(nn.Module):
         if W:
             self.cache.obs_pos = torch.cat([self.cache.obs_pos, q_pos], 1)[:, -W:]
         with torch.no_grad():
-            logits = program(input_ids.to(self.device), pos.clamp_min(0), q_pos, slots)
+            logits = program(input_ids.to(self.device).contiguous(), pos.clamp_min(0), q_pos, slots)
         self.seen = self.seen + n_new
         self.peak_bytes_held = max(self.peak_bytes_held, int(self.cache.bytes_held().sum()))
         return logits

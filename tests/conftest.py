@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import transformers as tf
+
+if not torch.cuda.is_available():  # Triton kernels run through the interpreter on CPU (before triton is imported)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)

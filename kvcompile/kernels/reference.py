@@ -31,15 +31,15 @@ def rows_of(page_table: Tensor, j: Tensor, page_size: int) -> Tensor:
 def gather_dense(k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor):
     """Dense per-head views of the cache: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S].
 
-    S = MAXP * P (the page table's width), so shapes depend on shapes only (no host sync, compile-friendly);
-    rows past a head's length are marked invalid.
+    Whole pages are gathered, so S = MAXP * P (the page table's width): shapes depend on shapes only (no host
+    sync), and rows past a head's length are marked invalid.
     """
-    P, D = k_pages.shape[1], k_pages.shape[2]
-    rows = (page_table.long().unsqueeze(-1) * P + torch.arange(P, device=page_table.device)).flatten(-2)
-    keys = k_pages.reshape(-1, D)[rows]
-    values = v_pages.reshape(-1, D)[rows]
-    positions = page_pos.reshape(-1)[rows].long()
-    valid = torch.arange(rows.shape[-1], device=rows.device) < lengths.unsqueeze(-1)
+    B, Hkv, MAXP = page_table.shape
+    pages = page_table.long()
+    keys = k_pages[pages].reshape(B, Hkv, -1, k_pages.shape[-1])
+    values = v_pages[pages].reshape(B, Hkv, -1, v_pages.shape[-1])
+    positions = page_pos[pages].reshape(B, Hkv, -1).long()
+    valid = torch.arange(keys.shape[2], device=keys.device) < lengths.unsqueeze(-1)
     return keys, values, positions, valid
 
 
@@ -53,32 +53,43 @@ def paged_attention(
     lengths: Tensor,
     scale: float,
     window: int = 0,
+    block_bytes: int = 1 << 26,
 ) -> Tensor:
     """Attention of new queries over the keys each KV head holds.
 
     q: [B, Hq, T, D]; q_pos: [B, T] original positions of the queries. A query sees a stored key when the key's
     position is not after its own (causal) and, if ``window > 0``, is less than ``window`` positions behind.
-    Hq must be a multiple of Hkv (GQA: query head i reads KV head i // (Hq // Hkv)). Returns [B, Hq, T, D].
-    A query that sees no key (a padding row) gets a finite, meaningless output.
+    Hq must be a multiple of Hkv (GQA: query head i reads KV head i // (Hq // Hkv)). Returns [B, Hq, T, D]; a
+    query that sees no key (a padding row, an empty head) gets zeros.
     """
     B, Hq, T, D = q.shape
     keys, values, k_pos, valid = gather_dense(k_pages, v_pages, page_pos, page_table, lengths)
-    Hkv = keys.shape[1]
-    dq = q_pos.long()[:, None, :, None]  # [B, 1, T, 1]
-    dk = k_pos[:, :, None, :]  # [B, Hkv, 1, S]
-    visible = valid[:, :, None, :] & (dk <= dq)
-    if window > 0:
-        visible = visible & (dq - dk < window)
-    visible = visible | ~visible.any(-1, keepdim=True)  # keep rows with no visible key finite
+    keys, values = keys.to(q.dtype), values.to(q.dtype)
+    Hkv, S = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.reshape(B, Hkv, G, T, D),
-        keys[:, :, None].to(q.dtype),
-        values[:, :, None].to(q.dtype),
-        attn_mask=visible[:, :, None],
-        scale=scale,
-    )
-    return out.reshape(B, Hq, T, D)
+    if T == 1:  # decode: one [G, S] score matrix per KV head, no mask beyond [B, Hkv, S]
+        dq = q_pos.long()[:, None, :]
+        visible = valid & (k_pos <= dq)
+        if window > 0:
+            visible = visible & (dq - k_pos < window)
+        scores = torch.matmul(q.view(B, Hkv, G, D), keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
+        probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
+        return torch.matmul(probs, values).view(B, Hq, 1, D)
+    step = max(1, block_bytes // max(1, B * Hq * S))  # queries per block: bounds the [B, Hq, Tb, S] mask
+    out = []
+    for t0 in range(0, T, step):
+        dq = q_pos[:, t0 : t0 + step].long()[:, None, :, None]  # [B, 1, Tb, 1]
+        dk = k_pos[:, :, None, :]  # [B, Hkv, 1, S]
+        visible = valid[:, :, None, :] & (dk <= dq)
+        if window > 0:
+            visible = visible & (dq - dk < window)
+        # heads that hold the same tokens share one mask (broadcast); otherwise one mask per query head
+        mask = visible[:, :1] if bool((visible == visible[:, :1]).all()) else visible.repeat_interleave(G, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, t0 : t0 + step], keys, values, attn_mask=mask, scale=scale, enable_gqa=G > 1
+        )
+        out.append(o.nan_to_num(0.0) * mask.any(-1, keepdim=True))
+    return torch.cat(out, 2)
 
 
 def write_tokens(

@@ -1,0 +1,141 @@
+"""Decode ms/token and prefill + compression time against context length and batch, in one run.
+
+Compares, on the same machine and inputs: transformers with its own full cache (sdpa, DynamicCache), kvcompile at
+budget 1.0, and kvcompile at smaller budgets (eager, and compiled with ``--compiled``). Prefill is measured once
+for kvcompile (compression runs after it); each budget then restores the prefilled cache, compresses (timed) and
+decodes (timed). Writes JSON and a PNG under bench/results/.
+
+    python bench/decode.py --contexts 1024,2048,4096 --batches 1,4 --steps 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompile
+from kvcompile.compress import compress
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def hf_full_cache(model, ids, steps):
+    """transformers' own path: one prefill forward with a DynamicCache, then one forward per token."""
+    with torch.no_grad():
+        out, t_prefill = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
+        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        model(input_ids=token, past_key_values=cache, use_cache=True)  # warm-up step
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        return t_prefill, (time.perf_counter() - t0) / steps
+
+
+def kv_decode(cm, token, steps):
+    cm.cache.reserve(steps + 1)
+    cm._room = steps + 1
+    cm.decode(token)  # warm-up (and compilation, when compiled)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        token = cm.decode(token)[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - t0) / steps
+
+
+def snapshot(cm):
+    state = {name: buf.clone() for name, buf in cm.cache.named_buffers()}
+    return state, cm.cache.n_free, cm.seen.clone(), cm.context_tokens.clone()
+
+
+def restore(cm, snap):
+    state, n_free, seen, context = snap
+    for name, buf in state.items():
+        setattr(cm.cache, name, buf.clone())
+    cm.cache.n_free, cm.seen, cm.context_tokens, cm._room = n_free, seen.clone(), context.clone(), 0
+
+
+def run(args):
+    model, _ = kvcompile.load_model(args.model)
+    base = kvcompile.apply(model, budget=1.0, recipe="full")
+    rows = []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
+            hf_prefill, hf_ms = hf_full_cache(model, ids, args.steps)
+            row = {"context": ctx, "batch": batch, "hf_prefill_s": hf_prefill, "hf_decode_ms": hf_ms * 1e3}
+            full = kvcompile.apply(base, budget=1.0, recipe=args.recipe)  # observes queries, keeps everything
+            logits, t_prefill = timed(lambda: full.prefill(ids))
+            token = logits[:, -1:].argmax(-1)
+            snap = snapshot(full)
+            row["kv_prefill_s"] = t_prefill
+            row["kv_1.0_decode_ms"] = kv_decode(full, token, args.steps) * 1e3
+            for budget in args.budgets:
+                for compiled in [False, True] if args.compiled else [False]:
+                    cm = kvcompile.apply(base, budget=budget, recipe=args.recipe, compile=compiled)
+                    cm.cache.setup(batch)
+                    restore(cm, snap)
+                    budget_bytes = cm._budget_bytes()
+                    _, t_comp = timed(lambda: compress(cm.cache, cm.scorer, cm.allocator, budget_bytes, cm._scales,
+                                                       cm.spec.windows))
+                    key = f"kv_{budget}{'_compiled' if compiled else ''}"
+                    row[f"{key}_compress_s"] = t_comp
+                    row[f"{key}_decode_ms"] = kv_decode(cm, token, args.steps) * 1e3
+                    row[f"{key}_bytes_held"] = int(cm.cache.bytes_held().sum())
+            row["kv_1.0_bytes_held"] = int(full.cache.bytes_held().sum())
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        sel = [r for r in rows if r["batch"] == batch]
+        ctx = [r["context"] for r in sel]
+        for key in [k for k in sel[0] if k.endswith("decode_ms")]:
+            ax.plot(ctx, [r[key] for r in sel], marker="o", label=key.replace("_decode_ms", ""))
+        ax.set(title=f"batch {batch}", xlabel="context tokens", ylabel="decode ms/token", xscale="log")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--recipe", default="snapkv")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.1])
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--compiled", action="store_true", help="also time the compiled decode (slow to compile on CPU)")
+    p.add_argument("--out", default=str(RESULTS / "decode"))
+    args = p.parse_args()
+    torch.manual_seed(0)
+    rows = run(args)
+    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, args.out + ".png")
+
+
+if __name__ == "__main__":
+    main()

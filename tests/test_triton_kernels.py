@@ -1,0 +1,231 @@
+"""Triton decode and compaction kernels against ``kvcompile.kernels.reference``.
+
+Runs on CPU through the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported). With
+TRITON_INTERPRET=0 and a CUDA device the same tests run compiled on the GPU. Inputs are fresh random draws each
+run; the seed is in every failure message and ``KVC_SEED=<seed>`` replays it.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="triton is not installed (pip install kvcompile[triton])")
+
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kvcompile.kernels import reference, triton_decode  # noqa: E402
+from kvcompile.kernels.triton_compact import compact  # noqa: E402
+from kvcompile.kernels.triton_decode import paged_decode  # noqa: E402
+
+INTERPRET = os.environ["TRITON_INTERPRET"] == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 needs a CUDA device", allow_module_level=True)
+if INTERPRET and not isinstance(triton_decode._decode_split_kernel, InterpretedFunction):
+    pytest.fail("kvcompile's Triton kernels were imported before TRITON_INTERPRET=1 was set (by another test "
+                "module?): export TRITON_INTERPRET=1 or run this module alone", pytrace=False)
+
+SENTINEL = 1000.0  # pool rows no head may read; large enough to wreck any result that includes them
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # atol = rtol
+
+
+@pytest.fixture
+def seed():
+    seed = int(os.environ.get("KVC_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(seed)
+    return seed
+
+
+def special_and_zipf_lengths(n: int, P: int, cap: int) -> torch.Tensor:
+    """n head lengths: 0, 1, P, P + 1, then Zipf-skewed ones up to cap, in random order."""
+    zipf = [max(1, int(cap / r**1.2)) for r in range(1, n + 1)]
+    lengths = torch.tensor(([0, 1, P, P + 1] + zipf)[:n], dtype=torch.int32)
+    return lengths[torch.randperm(n)]
+
+
+def make_cache(lengths: torch.Tensor, P: int, D: int, MAXP: int, dtype, positions=None):
+    """Random paged cache for lengths [B, Hkv] with shuffled physical pages.
+
+    Page 0, two spare pages and the rows past each head's length hold SENTINEL (position 0, so only the length
+    hides them). positions(b, h, L) gives a head's token positions; default 0 .. L - 1.
+    """
+    B, Hkv = lengths.shape
+    n_pages = (lengths.long() + P - 1) // P
+    N = 1 + int(n_pages.sum()) + 2
+    k_pages = torch.full((N, P, D), SENTINEL, dtype=dtype)
+    v_pages = torch.full((N, P, D), SENTINEL, dtype=dtype)
+    page_pos = torch.zeros(N, P, dtype=torch.int32)
+    page_table = torch.zeros(B, Hkv, MAXP, dtype=torch.int32)
+    free = (torch.randperm(N - 1) + 1).tolist()
+    for b in range(B):
+        for h in range(Hkv):
+            L = int(lengths[b, h])
+            pages = torch.tensor([free.pop() for _ in range(int(n_pages[b, h]))], dtype=torch.int64)
+            page_table[b, h, : len(pages)] = pages.int()
+            pos = torch.arange(L) if positions is None else positions(b, h, L)
+            j = torch.arange(L)
+            k_pages[pages[j // P], j % P] = torch.randn(L, D).to(dtype)
+            v_pages[pages[j // P], j % P] = torch.randn(L, D).to(dtype)
+            page_pos[pages[j // P], j % P] = pos.int()
+    to = dict(device=DEVICE)
+    return k_pages.to(**to), v_pages.to(**to), page_pos.to(**to), page_table.to(**to)
+
+
+def check_decode(seed, B, Hkv, G, P, D, lengths, dtype, *, window=0, max_splits=4, q_pos=None, positions=None):
+    MAXP = max(1, (int(lengths.max()) + P - 1) // P) + 1
+    k_pages, v_pages, page_pos, page_table = make_cache(lengths, P, D, MAXP, dtype, positions)
+    lengths = lengths.to(DEVICE)
+    q = torch.randn(B, Hkv * G, 1, D, device=DEVICE).to(dtype)
+    if q_pos is None:
+        q_pos = torch.full((B, 1), max(0, int(lengths.max()) - 1), device=DEVICE)  # longest head sees itself
+    scale = D**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = paged_decode(q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, scale, window,
+                       out=out, max_splits=max_splits)
+    assert got.data_ptr() == out.data_ptr()
+
+    f32 = (q.float(), q_pos, k_pages.float(), v_pages.float(), page_pos, page_table, lengths)
+    want = reference.paged_attention(*f32, scale, window)
+    _, _, k_pos, valid = reference.gather_dense(k_pages, v_pages, page_pos, page_table, lengths)
+    qp = q_pos.long().view(B, 1, 1)
+    visible = valid & (k_pos <= qp) & ((window <= 0) | (qp - k_pos < window))
+    seen = visible.any(-1).repeat_interleave(G, dim=1)  # [B, Hq]: query heads with at least one visible key
+    msg = f"seed={seed} dtype={dtype} G={G} P={P} D={D} window={window} lengths={lengths.tolist()}"
+    assert (got[~seen] == 0).all(), f"heads with no visible key must give zeros; {msg}"
+    tol = TOL[dtype]
+    torch.testing.assert_close(got[seen].float(), want[seen], atol=tol, rtol=tol, msg=lambda m: f"{m}\n{msg}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G, P, D", [(1, 4, 32), (2, 8, 16), (4, 4, 16), (8, 8, 32)])
+def test_decode_lengths_gqa_dtypes(seed, dtype, G, P, D):
+    B, Hkv = 2, 3
+    lengths = special_and_zipf_lengths(B * Hkv, P, cap=96).view(B, Hkv)
+    check_decode(seed, B, Hkv, G, P, D, lengths, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 40])
+def test_decode_window_scattered_positions(seed, window):
+    """Compacted heads hold gappy, unordered positions, some after the query (must stay hidden)."""
+    B, Hkv, G, P, D = 2, 2, 2, 4, 16
+    lengths = torch.randint(1, 60, (B, Hkv), dtype=torch.int32)
+    q_pos = torch.randint(60, 100, (B, 1))
+
+    def positions(b, h, L):
+        pos = torch.randperm(110)[:L]
+        if h == 0:  # head 0 holds at least one key inside the window; the others may see none
+            pos[torch.randint(0, L, ())] = q_pos[b, 0] - torch.randint(0, window, ())
+        return pos
+
+    check_decode(seed, B, Hkv, G, P, D, lengths, torch.float32, window=window, q_pos=q_pos.to(DEVICE),
+                 positions=positions)
+
+
+@pytest.mark.parametrize("max_splits", [1, 3, 8])
+def test_decode_splits(seed, max_splits):
+    """Long heads across several splits and tiles, lengths not multiples of the tile; out allocated by the op."""
+    B, Hkv, G, P, D = 1, 2, 4, 8, 16
+    lengths = torch.tensor([[int(torch.randint(100, 200, ())), int(torch.randint(1, 40, ()))]], dtype=torch.int32)
+    k_pages, v_pages, page_pos, page_table = make_cache(lengths, P, D, 26, torch.float16)
+    lengths = lengths.to(DEVICE)
+    q = torch.randn(B, Hkv * G, 1, D, device=DEVICE).half()
+    q_pos = torch.full((B, 1), 300, device=DEVICE)
+    args = (q_pos, k_pages, v_pages, page_pos, page_table, lengths, 0.3)
+    got = paged_decode(q, *args, max_splits=max_splits)
+    want = reference.paged_attention(q.float(), q_pos, k_pages.float(), v_pages.float(), *args[3:])
+    tol = TOL[torch.float16]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol,
+                               msg=lambda m: f"{m}\nseed={seed} lengths={lengths.tolist()}")
+
+
+def test_decode_inside_triton_op(seed):
+    """The launcher runs as the body of a torch.library.triton_op (eager)."""
+
+    @torch.library.triton_op("kvc_test::paged_decode", mutates_args=())
+    def op(q: torch.Tensor, q_pos: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+           page_pos: torch.Tensor, page_table: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+        return paged_decode(q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, scale)
+
+    lengths = torch.tensor([[3, 9]], dtype=torch.int32)
+    k_pages, v_pages, page_pos, page_table = make_cache(lengths, 4, 16, 3, torch.float32)
+    q = torch.randn(1, 4, 1, 16, device=DEVICE)
+    args = (torch.full((1, 1), 9, device=DEVICE), k_pages, v_pages, page_pos, page_table, lengths.to(DEVICE), 0.25)
+    torch.testing.assert_close(torch.ops.kvc_test.paged_decode(q, *args), reference.paged_attention(q, *args),
+                               msg=lambda m: f"{m}\nseed={seed}")
+
+
+def keep_sets(lengths: torch.Tensor, K: int):
+    """Per head: keep nothing, everything, the tail (largest shift) or a random subset.
+
+    Entries past keep_count hold the head's last token: a valid index, so a kernel that reads them moves a wrong
+    row (an assertion failure) instead of reading out of bounds.
+    """
+    B, Hkv = lengths.shape
+    keep_idx = (lengths.long() - 1).clamp_min(0).int()[..., None].repeat(1, 1, K)
+    keep_count = torch.zeros(B, Hkv, dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            L = int(lengths[b, h])
+            c = min(K, int(torch.randint(0, L + 1, ())))
+            kind = int(torch.randint(0, 4, ()))
+            if kind == 0:
+                idx = torch.arange(0)
+            elif kind == 1:
+                idx = torch.arange(min(L, K))
+            elif kind == 2:
+                idx = torch.arange(L - c, L)
+            else:
+                idx = torch.randperm(L)[:c].sort().values
+            keep_idx[b, h, : len(idx)] = idx.int()
+            keep_count[b, h] = len(idx)
+    return keep_idx, keep_count
+
+
+def compact_case(seed, dtype, P, D, K):
+    B, Hkv = 2, 3
+    lengths = special_and_zipf_lengths(B * Hkv, P, cap=70).view(B, Hkv)
+    MAXP = (int(lengths.max()) + P - 1) // P + 1
+    K = K or MAXP * P
+    cache = make_cache(lengths, P, D, MAXP, dtype, positions=lambda b, h, L: 1000 * (b * Hkv + h) + torch.arange(L))
+    keep_idx, keep_count = keep_sets(lengths, K)
+    return lengths, cache, keep_idx.to(DEVICE), keep_count.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("P, D, K", [(4, 16, 20), (8, 32, 13)])
+def test_compact_moves_kept_rows_only(seed, dtype, P, D, K):
+    """Kept rows land at the front of their head; every other pool row (past keep_count, other heads' pages,
+    page 0, spare pages) is bit-identical to before. K is smaller than most lengths, so sources lie past K."""
+    lengths, (k_pages, v_pages, page_pos, page_table), keep_idx, keep_count = compact_case(seed, dtype, P, D, K)
+    before = [t.clone() for t in (k_pages, v_pages, page_pos)]
+    compact(k_pages, v_pages, page_pos, page_table, keep_idx, keep_count)
+
+    want = [t.clone() for t in before]
+    B, Hkv, _ = page_table.shape
+    for b in range(B):
+        for h in range(Hkv):
+            c = int(keep_count[b, h])
+            src, dst = keep_idx[b, h, :c].long(), torch.arange(c, device=DEVICE)
+            table = page_table[b, h].long()
+            for old, new in zip(before, want):
+                new[table[dst // P], dst % P] = old[table[src // P], src % P]
+    msg = f"seed={seed} dtype={dtype} lengths={lengths.tolist()} keep_count={keep_count.tolist()}"
+    for name, got, exp in zip(("k_pages", "v_pages", "page_pos"), (k_pages, v_pages, page_pos), want):
+        assert torch.equal(got, exp), f"{name} differs; {msg}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [None, 13])
+def test_compact_matches_reference(seed, dtype, K):
+    """Same pools as reference.compact, keep_idx as wide as a full head (None) or narrower than most heads."""
+    lengths, cache, keep_idx, keep_count = compact_case(seed, dtype, P=4, D=16, K=K)
+    expected = [t.clone() for t in cache[:3]]
+    reference.compact(*expected, cache[3], keep_idx, keep_count)
+    compact(*cache, keep_idx, keep_count)
+    for got, exp in zip(cache[:3], expected):
+        assert torch.equal(got, exp), f"seed={seed} lengths={lengths.tolist()} keep_count={keep_count.tolist()}"
