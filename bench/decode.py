@@ -86,7 +86,7 @@ def run(args):
                     cm.cache.setup(batch)
                     restore(cm, snap)
                     budget_bytes = cm._budget_bytes()
-                    _, t_comp = timed(lambda: compress(cm.cache, cm.scorer, cm.allocator, budget_bytes, cm._scales,
+                    _, t_comp = timed(lambda: compress(cm.cache, cm.scorer, cm.allocator, budget_bytes, cm.programs.scales,
                                                        cm.spec.windows))
                     key = f"kv_{budget}{'_compiled' if compiled else ''}"
                     row[f"{key}_compress_s"] = t_comp

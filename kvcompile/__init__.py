@@ -5,6 +5,7 @@ The path of one token: ``apply`` captures the model (``capture.capture``), reads
 (``passes.rewrite``: a prefill and a decode program whose attention ops live in ``ops``) over one
 ``cache.PagedKVCache``. ``CompressedModel.generate`` -> ``prefill``/``decode`` -> the program's ops write K/V into
 pages and attend (``kernels``) -> ``compress.compress`` scores (``methods``), allocates and compacts to the budget.
+``export``/``load`` (``artifact``) ship the two programs as AOTInductor packages.
 
 Example::
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from .artifact import export, load
 from .budget import Budget
 from .capture import capture
 from .recipes import Recipe, get_recipe, recipes
-from .runtime import CompressedModel
+from .runtime import CompressedModel, Programs
 from .spec import ModelSpec
 
-__all__ = ["apply", "CompressedModel", "Budget", "Recipe", "recipes", "load_model"]
+__all__ = ["apply", "CompressedModel", "Budget", "Recipe", "recipes", "load_model", "export", "load"]
 __version__ = "0.1.0"
 
 
@@ -67,15 +69,18 @@ def apply(
     if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
         raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
     if isinstance(model, CompressedModel):  # re-target: same captured graph, new recipe or budget (no re-capture)
-        spec, captured, gen_config = model.spec, model.captured, model.generation_config
+        if model.programs.captured is None:
+            raise ValueError("this CompressedModel was loaded from an exported artifact and cannot be re-targeted")
+        spec, captured, gen_config = model.spec, model.programs.captured, model.generation_config
     elif isinstance(model, nn.Module):
         spec = ModelSpec.from_model(model)
         captured, gen_config = capture(model, spec), getattr(model, "generation_config", None)
     else:
         raise TypeError(f"apply() takes an nn.Module, got {type(model).__name__}")
+    programs = Programs.rewrite(captured, spec, compile=compile)
     return CompressedModel(
-        captured, spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk, generation_config=gen_config,
-        compile=compile,
+        programs, spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk, generation_config=gen_config,
+        device=next(captured.parameters()).device,
     )
 
 

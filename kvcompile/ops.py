@@ -48,30 +48,31 @@ def _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengt
     return attend(q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window).contiguous()
 
 
-@torch.library.custom_op("kvcompile::prefill_attention", mutates_args=_MUTATED)
-def prefill_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
-    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
-    layer: int, scale: float, window: int,
-) -> Tensor:
-    """Append T new tokens per row and attend causally over everything the layer holds. Returns [B, Hq, T, D]."""
-    return _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window)
+def _attention_op(name: str, doc: str):
+    """Register one attention op; prefill and decode share the contract (and the CPU path), not the kernel."""
+
+    @torch.library.custom_op(f"kvcompile::{name}", mutates_args=_MUTATED)
+    def op(
+        q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
+        k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
+        layer: int, scale: float, window: int,
+    ) -> Tensor:
+        return _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window)
+
+    @op.register_fake
+    def _fake(q, *args, **kwargs):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    op.__doc__ = doc
+    return op
 
 
-@torch.library.custom_op("kvcompile::decode_attention", mutates_args=_MUTATED)
-def decode_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
-    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
-    layer: int, scale: float, window: int,
-) -> Tensor:
-    """Append one token per row and attend over each KV head's ragged pages. Returns [B, Hq, 1, D]."""
-    return _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window)
-
-
-@prefill_attention.register_fake
-@decode_attention.register_fake
-def _attention_fake(q, *args, **kwargs):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+prefill_attention = _attention_op(
+    "prefill_attention", "Append T new tokens per row and attend causally over everything the layer holds -> [B, Hq, T, D]."
+)
+decode_attention = _attention_op(
+    "decode_attention", "Append one token per row and attend over each KV head's ragged pages -> [B, Hq, 1, D]."
+)
 
 
 @torch.library.custom_op("kvcompile::compact", mutates_args=("k_pages", "v_pages", "page_pos"))

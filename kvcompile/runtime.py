@@ -7,6 +7,9 @@ pool rows) -> the rewritten program (``passes.rewrite``), whose kvcompile ops wr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 from torch import Tensor, fx, nn
 
@@ -20,6 +23,45 @@ from .spec import ModelSpec
 _DECODE_RESERVE = 64  # tokens of room reserved at a time while decoding (allocation stays off the step)
 
 
+@dataclass
+class Programs:
+    """The two programs a ``CompressedModel`` runs, and what they were made from.
+
+    ``prefill`` / ``decode``: ``(input_ids, position_ids, q_pos, slots, *cache tensors) -> logits`` (eager FX
+    graphs, their compiled versions, or loaded AOTInductor packages); ``scales``: the softmax scale per layer;
+    ``captured``: the captured model graph, kept so a new recipe or budget needs no new capture.
+    """
+
+    prefill: Callable
+    decode: Callable
+    scales: list[float]
+    captured: fx.GraphModule | None = None
+
+    @classmethod
+    def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, compile=False) -> "Programs":
+        prefill = passes.rewrite(captured, spec, decode=False)
+        decode = passes.rewrite(captured, spec, decode=True)
+        scales = [0.0] * spec.num_layers
+        for node in prefill.graph.nodes:
+            if "kvc.layer" in node.meta:
+                scales[node.meta["kvc.layer"]] = node.kwargs["scale"]
+        if compile:
+            prefill, decode = _compiled(prefill, decode, compile, next(captured.parameters()).device)
+        return cls(prefill, decode, scales, captured)
+
+
+def _compiled(prefill, decode, backend, device):
+    """Both programs through ``torch.compile`` (Inductor by default), no graph breaks allowed.
+
+    Decode has static shapes (it compiles once: lengths change values, not shapes) and asks for CUDA graphs on CUDA
+    (``mode="reduce-overhead"``; not yet run on a GPU). Prefill gets a dynamic batch and length.
+    """
+    backend = "inductor" if backend is True else backend
+    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
+    decode = torch.compile(decode, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+    return torch.compile(prefill, backend=backend, fullgraph=True, dynamic=True), decode
+
+
 class CompressedModel(nn.Module):
     """A causal LM whose attention reads and writes a compressed, ragged per-head paged KV cache.
 
@@ -30,7 +72,7 @@ class CompressedModel(nn.Module):
 
     def __init__(
         self,
-        captured: fx.GraphModule,
+        programs: "Programs",
         spec: ModelSpec,
         recipe: Recipe,
         budget: Budget,
@@ -38,50 +80,22 @@ class CompressedModel(nn.Module):
         page_size: int = 16,
         prefill_chunk: int | None = None,
         generation_config=None,
-        compile=False,
+        device: torch.device | str = "cpu",
     ):
         super().__init__()
-        self.spec, self.recipe, self.budget, self.captured = spec, recipe, budget, captured
+        self.programs, self.spec, self.recipe, self.budget = programs, spec, recipe, budget
         self.scorer, self.allocator = recipe.build()
         self.prefill_chunk = prefill_chunk
         self.generation_config = generation_config
         window = self.scorer.observation_window if self.scorer else 0
-        dev = next(captured.parameters()).device
         self.cache = PagedKVCache(
             spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
-            dtype=spec.dtype, page_size=page_size, obs_window=window, device=dev,
+            dtype=spec.dtype, page_size=page_size, obs_window=window, device=device,
         )
-        self.prefill_program = passes.rewrite(captured, spec, self.cache, decode=False)
-        self.decode_program = passes.rewrite(captured, spec, self.cache, decode=True)
-        self._scales = self._layer_scales()
-        if compile:
-            self._compile(compile)
         self.seen: Tensor | None = None  # [B] tokens each row has read (the next position)
         self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
         self.peak_bytes_held = 0
         self._room = 0
-
-    def _layer_scales(self) -> list[float]:
-        scales = [0.0] * self.spec.num_layers
-        for node in self.prefill_program.graph.nodes:
-            if "kvc.layer" in node.meta:
-                scales[node.meta["kvc.layer"]] = node.kwargs["scale"]
-        return scales
-
-    def _compile(self, backend) -> None:
-        """Send both programs through ``torch.compile`` (Inductor by default) with no graph breaks allowed.
-
-        Decode has static shapes (it compiles once; lengths change values, not shapes) and, on CUDA, runs in a CUDA
-        graph (``mode="reduce-overhead"``). Prefill is compiled with a dynamic batch and length.
-        """
-        backend = "inductor" if backend is True else backend
-        cuda = self.device.type == "cuda"
-        mode = "reduce-overhead" if cuda and backend == "inductor" else None
-        if cuda:
-            for buf in self.cache.buffers():
-                torch._dynamo.mark_static_address(buf)
-        self.decode_program = torch.compile(self.decode_program, backend=backend, fullgraph=True, dynamic=False, mode=mode)
-        self.prefill_program = torch.compile(self.prefill_program, backend=backend, fullgraph=True, dynamic=True)
 
     @property
     def device(self) -> torch.device:
@@ -162,7 +176,8 @@ class CompressedModel(nn.Module):
         if W:
             self.cache.obs_pos = torch.cat([self.cache.obs_pos, q_pos], 1)[:, -W:]
         with torch.no_grad():
-            logits = program(input_ids.to(self.device).contiguous(), pos.clamp_min(0), q_pos, slots)
+            cache = [getattr(self.cache, name) for name in passes.CACHE_BUFFERS]
+            logits = program(input_ids.to(self.device).contiguous(), pos.clamp_min(0), q_pos, slots, *cache)
         self.seen = self.seen + n_new
         self.peak_bytes_held = max(self.peak_bytes_held, int(self.cache.bytes_held().sum()))
         return logits
@@ -192,7 +207,7 @@ class CompressedModel(nn.Module):
         for start in range(0, input_ids.shape[1], chunk):
             ids, r = input_ids[:, start : start + chunk], real[:, start : start + chunk]
             self.cache.reserve(r.sum(1))
-            outs.append(self._step(self.prefill_program, ids, r))
+            outs.append(self._step(self.programs.prefill, ids, r))
             if compress:
                 self._compress()
         self._room = 0
@@ -203,7 +218,7 @@ class CompressedModel(nn.Module):
             return
         budget = self._budget_bytes()
         if bool((self.cache.bytes_held() > budget).any()):
-            compress_cache(self.cache, self.scorer, self.allocator, budget, self._scales, self.spec.windows)
+            compress_cache(self.cache, self.scorer, self.allocator, budget, self.programs.scales, self.spec.windows)
 
     def decode(self, input_ids: Tensor) -> Tensor:
         """Append one token per sequence ([B, 1]) and return its logits [B, 1, V]."""
@@ -216,7 +231,7 @@ class CompressedModel(nn.Module):
             self.cache.reserve(_DECODE_RESERVE)
             self._room = _DECODE_RESERVE
         self._room -= 1
-        return self._step(self.decode_program, input_ids, real)
+        return self._step(self.programs.decode, input_ids, real)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

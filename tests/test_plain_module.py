@@ -67,9 +67,9 @@ def test_gpt_full_budget_matches_eager():
 
 def test_rewrites_one_op_per_layer():
     cm = kvcompile.apply(TinyGPT(layers=3).eval(), budget=0.5, recipe="snapkv")
-    ops = [n for n in cm.decode_program.graph.nodes if n.target is torch.ops.kvcompile.decode_attention.default]
+    ops = [n for n in cm.programs.decode.graph.nodes if n.target is torch.ops.kvcompile.decode_attention.default]
     assert [n.kwargs["layer"] for n in ops] == [0, 1, 2]
-    assert not any("scaled_dot_product" in str(n.target) for n in cm.prefill_program.graph.nodes)
+    assert not any("scaled_dot_product" in str(n.target) for n in cm.programs.prefill.graph.nodes)
 
 
 def test_non_causal_attention_is_refused_with_the_node_named():

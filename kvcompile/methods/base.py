@@ -16,22 +16,20 @@ SCORERS: dict[str, type] = {}
 ALLOCATORS: dict[str, type] = {}
 
 
-def register_scorer(name: str):
-    def deco(cls):
-        SCORERS[name] = cls
-        cls.name = name
-        return cls
+def _registrar(table: dict[str, type]):
+    def register(name: str):
+        def deco(cls):
+            table[name] = cls
+            cls.name = name
+            return cls
 
-    return deco
+        return deco
+
+    return register
 
 
-def register_allocator(name: str):
-    def deco(cls):
-        ALLOCATORS[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
+register_scorer = _registrar(SCORERS)
+register_allocator = _registrar(ALLOCATORS)
 
 
 @dataclass

@@ -6,21 +6,24 @@ DropDeadMaskCode (the model's own mask code is now dead).
 
 from __future__ import annotations
 
-from torch import fx, nn
+from torch import fx
 
 from ..spec import ModelSpec
 from .base import GraphPass, PassManager
-from .paged_attention import DropDeadMaskCode, InsertPagedAttention
+from .paged_attention import CACHE_BUFFERS, DropDeadMaskCode, InsertPagedAttention
 from .sdpa import UnsupportedGraph
 
 
-def rewrite(captured: fx.GraphModule, spec: ModelSpec, cache: nn.Module, *, decode: bool) -> fx.GraphModule:
-    """A copy of ``captured`` whose attention reads and writes ``cache`` (the prefill or the decode program)."""
+def rewrite(captured: fx.GraphModule, spec: ModelSpec, *, decode: bool) -> fx.GraphModule:
+    """A copy of ``captured`` whose attention reads and writes the paged cache (the prefill or decode program).
+
+    The program is ``forward(input_ids, position_ids, kvc_q_pos, kvc_slots, *cache tensors) -> logits`` with the
+    cache tensors in the order of ``CACHE_BUFFERS``.
+    """
     graph = fx.Graph()
     graph.output(graph.graph_copy(captured.graph, {}))
     gm = fx.GraphModule(captured, graph)
-    gm.kvc_cache = cache
     return PassManager([InsertPagedAttention(spec, decode=decode), DropDeadMaskCode()])(gm)
 
 
-__all__ = ["GraphPass", "PassManager", "InsertPagedAttention", "DropDeadMaskCode", "UnsupportedGraph", "rewrite"]
+__all__ = ["CACHE_BUFFERS", "GraphPass", "PassManager", "InsertPagedAttention", "DropDeadMaskCode", "UnsupportedGraph", "rewrite"]

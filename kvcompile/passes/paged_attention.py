@@ -14,17 +14,18 @@ CACHE_BUFFERS = ("k_pages", "v_pages", "page_pos", "page_table", "lengths", "obs
 
 
 class InsertPagedAttention(GraphPass):
-    """Route every SDPA node through the paged cache held by submodule ``cache_attr``.
+    """Route every SDPA node through the paged cache, whose tensors become graph inputs.
 
-    Adds two graph inputs after the existing ones: ``kvc_q_pos`` [B, T] (original positions, -1 for padding) and
-    ``kvc_slots`` [L, B, Hkv, T] (pool rows for the new tokens). Keys and values are taken before ``repeat_kv``, so
+    Adds graph inputs after the existing ones: ``kvc_q_pos`` [B, T] (original positions, -1 for padding),
+    ``kvc_slots`` [L, B, Hkv, T] (pool rows for the new tokens), then the cache tensors named in
+    ``CACHE_BUFFERS`` (mutated in place by the ops), so the same program runs eagerly, compiled or exported. Keys and values are taken before ``repeat_kv``, so
     the op sees one head per KV head. The model's own attention mask is dropped: the op rebuilds causal, padding
     and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
     is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
     """
 
-    def __init__(self, spec: ModelSpec, decode: bool, cache_attr: str = "kvc_cache"):
-        self.spec, self.decode, self.cache_attr = spec, decode, cache_attr
+    def __init__(self, spec: ModelSpec, decode: bool):
+        self.spec, self.decode = spec, decode
 
     def __call__(self, gm: fx.GraphModule) -> None:
         graph, spec = gm.graph, self.spec
@@ -41,12 +42,12 @@ class InsertPagedAttention(GraphPass):
             )
         last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(last_input):
+            buffers = [graph.placeholder(f"kvc_{name}") for name in reversed(CACHE_BUFFERS)][::-1]
+        with graph.inserting_after(last_input):
             slots = graph.placeholder("kvc_slots")
         with graph.inserting_after(last_input):
             q_pos = graph.placeholder("kvc_q_pos")
-        with graph.inserting_after(slots):
-            buffers = [graph.get_attr(f"{self.cache_attr}.{name}") for name in CACHE_BUFFERS]
-        op = torch.ops.kvcompile.decode_attention.default if self.decode else torch.ops.kvcompile.prefill_attention.default
+        op = (torch.ops.kvcompile.decode_attention if self.decode else torch.ops.kvcompile.prefill_attention).default
         for layer, node in enumerate(nodes):
             call = sdpa_args(node)
             self._check_semantics(node, call)
