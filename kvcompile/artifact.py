@@ -3,7 +3,8 @@ layout and recipe; ``load`` rebuilds a ``CompressedModel`` from them in any proc
 
 The artifact is a folder::
 
-    prefill.pt2, decode.pt2   AOTInductor packages: (input_ids, position_ids, q_pos, slots, *cache) -> logits
+    prefill.pt2, prefill_last.pt2, decode.pt2
+                              AOTInductor packages: (input_ids, position_ids, q_pos, slots, *cache) -> logits
     kvcompile.json            spec (geometry, dtype, windows), per-layer scales, recipe, budget, page size
 
 The cache stays outside the packages (its tensors are program inputs, mutated in place), so the loaded model
@@ -68,7 +69,8 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         raise ValueError("this model was itself loaded from an artifact; export the model it came from")
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    for name, decode in (("prefill", False), ("decode", True)):
+    for name in Programs.NAMES:
+        decode = name == "decode"
         program = getattr(cm.programs, name)
         program = getattr(program, "_orig_mod", program)  # the eager graph under a torch.compile wrapper
         with torch.no_grad():
@@ -106,8 +108,8 @@ def load(path, *, device: str = "cpu") -> CompressedModel:
     if meta.get("format") != _FORMAT:
         raise ValueError(f"{folder}: export format {meta.get('format')!r}, this kvcompile reads format {_FORMAT}")
     spec = meta["spec"] | {"dtype": getattr(torch, meta["spec"]["dtype"]), "windows": tuple(meta["spec"]["windows"])}
-    runners = {n: torch._inductor.aoti_load_package(str(folder / f"{n}.pt2")) for n in ("prefill", "decode")}
-    programs = Programs(runners["prefill"], runners["decode"], meta["scales"], captured=None)
+    runners = [torch._inductor.aoti_load_package(str(folder / f"{n}.pt2")) for n in Programs.NAMES]
+    programs = Programs(*runners, meta["scales"], captured=None)
     return CompressedModel(
         programs, ModelSpec(**spec), Recipe(**meta["recipe"]), Budget(**meta["budget"]),
         page_size=meta["page_size"], prefill_chunk=meta["prefill_chunk"],

@@ -26,10 +26,10 @@ def _demo(args) -> int:
     rows = []
     for name, cm in [("full", full), (args.recipe, kvcompile.apply(full, budget=args.budget, recipe=args.recipe))]:
         t0 = time.perf_counter()
-        cm.prefill(context)
+        cm.prefill(context, logits="last")
         t_prefill = time.perf_counter() - t0
         stats = cm.cache_stats()
-        logits = cm.prefill(question, compress=False)
+        logits = cm.prefill(question, compress=False, logits="last")
         new = []
         t0 = time.perf_counter()
         for _ in range(args.max_new_tokens):

@@ -27,39 +27,39 @@ _DECODE_RESERVE = 64  # tokens of room reserved at a time while decoding (alloca
 class Programs:
     """The two programs a ``CompressedModel`` runs, and what they were made from.
 
-    ``prefill`` / ``decode``: ``(input_ids, position_ids, q_pos, slots, *cache tensors) -> logits`` (eager FX
-    graphs, their compiled versions, or loaded AOTInductor packages); ``scales``: the softmax scale per layer;
+    ``prefill`` / ``prefill_last`` / ``decode``: ``(input_ids, position_ids, q_pos, slots, *cache tensors) ->
+    logits`` (eager FX graphs, their compiled versions, or loaded AOTInductor packages); ``prefill_last`` returns
+    only the last position's logits (what generation needs); ``scales``: the softmax scale per layer;
     ``captured``: the captured model graph, kept so a new recipe or budget needs no new capture.
     """
 
     prefill: Callable
+    prefill_last: Callable
     decode: Callable
     scales: list[float]
     captured: fx.GraphModule | None = None
 
+    NAMES = ("prefill", "prefill_last", "decode")
+
     @classmethod
     def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, compile=False) -> "Programs":
         prefill = passes.rewrite(captured, spec, decode=False)
+        prefill_last = passes.rewrite(captured, spec, decode=False, last_logits=True)
         decode = passes.rewrite(captured, spec, decode=True)
         scales = [0.0] * spec.num_layers
         for node in prefill.graph.nodes:
             if "kvc.layer" in node.meta:
                 scales[node.meta["kvc.layer"]] = node.kwargs["scale"]
         if compile:
-            prefill, decode = _compiled(prefill, decode, compile, next(captured.parameters()).device)
-        return cls(prefill, decode, scales, captured)
-
-
-def _compiled(prefill, decode, backend, device):
-    """Both programs through ``torch.compile`` (Inductor by default), no graph breaks allowed.
-
-    Decode has static shapes (it compiles once: lengths change values, not shapes) and asks for CUDA graphs on CUDA
-    (``mode="reduce-overhead"``; not yet run on a GPU). Prefill gets a dynamic batch and length.
-    """
-    backend = "inductor" if backend is True else backend
-    mode = "reduce-overhead" if device.type == "cuda" and backend == "inductor" else None
-    decode = torch.compile(decode, backend=backend, fullgraph=True, dynamic=False, mode=mode)
-    return torch.compile(prefill, backend=backend, fullgraph=True, dynamic=True), decode
+            backend = "inductor" if compile is True else compile
+            cuda = next(captured.parameters()).device.type == "cuda"
+            prefill, prefill_last = (torch.compile(p, backend=backend, fullgraph=True, dynamic=True)
+                                     for p in (prefill, prefill_last))
+            # static shapes: lengths change values, not shapes, so decode compiles once; CUDA graphs on CUDA
+            # (mode="reduce-overhead", not yet run on a GPU)
+            mode = "reduce-overhead" if cuda and backend == "inductor" else None
+            decode = torch.compile(decode, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+        return cls(prefill, prefill_last, decode, scales, captured)
 
 
 class CompressedModel(nn.Module):
@@ -189,14 +189,18 @@ class CompressedModel(nn.Module):
         self.peak_bytes_held = 0
         self._room = 0
 
-    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True) -> Tensor:
-        """Append a prompt to the cache and return its logits [B, T, V].
+    def prefill(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True, logits: str = "all"
+    ) -> Tensor:
+        """Append a prompt to the cache and return its logits: [B, T, V], or [B, 1, V] with ``logits="last"``.
 
         With ``compress`` (the default) the cache is compressed to the budget afterwards, and between chunks when
         ``prefill_chunk`` was set, so the cache peaks at about budget + one chunk. Left-padded batches are fine:
         padding (``attention_mask == 0``) is never stored. A later call appends (multi-turn); the budget is then
         measured against every token prefilled with ``compress=True``.
         """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         real = self._check_tokens(input_ids, attention_mask)
         if self.seen is None:
             self._start(input_ids.shape[0])
@@ -207,11 +211,12 @@ class CompressedModel(nn.Module):
         for start in range(0, input_ids.shape[1], chunk):
             ids, r = input_ids[:, start : start + chunk], real[:, start : start + chunk]
             self.cache.reserve(r.sum(1))
-            outs.append(self._step(self.programs.prefill, ids, r))
+            program = self.programs.prefill if logits == "all" else self.programs.prefill_last
+            outs.append(self._step(program, ids, r))
             if compress:
                 self._compress()
         self._room = 0
-        return torch.cat(outs, 1)
+        return torch.cat(outs, 1) if logits == "all" else outs[-1]
 
     def _compress(self) -> None:
         if self.budget.is_full or self.scorer is None:
@@ -279,10 +284,10 @@ class CompressedModel(nn.Module):
             self._check_tokens(whole, whole_mask, fresh=True, extra=max_new_tokens)
         self.reset()
         if context_ids is not None:
-            self.prefill(context_ids, context_mask)
-            logits = self.prefill(input_ids, attention_mask, compress=False)
+            self.prefill(context_ids, context_mask, logits="last")
+            logits = self.prefill(input_ids, attention_mask, compress=False, logits="last")
         else:
-            logits = self.prefill(input_ids, attention_mask)
+            logits = self.prefill(input_ids, attention_mask, logits="last")
         self.cache.reserve(max_new_tokens)
         self._room = max_new_tokens
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)

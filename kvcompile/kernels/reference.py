@@ -28,17 +28,21 @@ def rows_of(page_table: Tensor, j: Tensor, page_size: int) -> Tensor:
     return pages * page_size + j % page_size
 
 
+def gather_pages(pool: Tensor, page_table: Tensor) -> Tensor:
+    """Each head's pages of ``pool`` ([N_pages, P, ...]) laid end to end: [B, Hkv, MAXP * P, ...]."""
+    B, Hkv, _ = page_table.shape
+    rows = torch.index_select(pool.reshape(pool.shape[0], -1), 0, page_table.reshape(-1).long())  # fastest CPU copy
+    return rows.view(B, Hkv, -1, *pool.shape[2:])
+
+
 def gather_dense(k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor):
     """Dense per-head views of the cache: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S].
 
     Whole pages are gathered, so S = MAXP * P (the page table's width): shapes depend on shapes only (no host
     sync), and rows past a head's length are marked invalid.
     """
-    B, Hkv, MAXP = page_table.shape
-    pages = page_table.long()
-    keys = k_pages[pages].reshape(B, Hkv, -1, k_pages.shape[-1])
-    values = v_pages[pages].reshape(B, Hkv, -1, v_pages.shape[-1])
-    positions = page_pos[pages].reshape(B, Hkv, -1).long()
+    keys, values = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+    positions = gather_pages(page_pos, page_table).long()
     valid = torch.arange(keys.shape[2], device=keys.device) < lengths.unsqueeze(-1)
     return keys, values, positions, valid
 
@@ -60,18 +64,22 @@ def paged_attention(
     q: [B, Hq, T, D]; q_pos: [B, T] original positions of the queries. A query sees a stored key when the key's
     position is not after its own (causal) and, if ``window > 0``, is less than ``window`` positions behind.
     Hq must be a multiple of Hkv (GQA: query head i reads KV head i // (Hq // Hkv)). Returns [B, Hq, T, D]; a
-    query that sees no key (a padding row, an empty head) gets zeros.
+    query that sees no key (a padding row, an empty head) gets zeros. A single query (T == 1) is a decode step:
+    the newest token, so without a window no position check is needed.
     """
     B, Hq, T, D = q.shape
-    keys, values, k_pos, valid = gather_dense(k_pages, v_pages, page_pos, page_table, lengths)
+    if T == 1 and window == 0:  # decode of the newest token: every held key is at or before it
+        keys, values = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+        visible = torch.arange(keys.shape[2], device=q.device) < lengths.unsqueeze(-1)
+    else:
+        keys, values, k_pos, valid = gather_dense(k_pages, v_pages, page_pos, page_table, lengths)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     Hkv, S = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
     if T == 1:  # decode: one [G, S] score matrix per KV head, no mask beyond [B, Hkv, S]
-        dq = q_pos.long()[:, None, :]
-        visible = valid & (k_pos <= dq)
         if window > 0:
-            visible = visible & (dq - k_pos < window)
+            dq = q_pos.long()[:, None, :]
+            visible = valid & (k_pos <= dq) & (dq - k_pos < window)
         scores = torch.matmul(q.view(B, Hkv, G, D), keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
         probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
         return torch.matmul(probs, values).view(B, Hq, 1, D)

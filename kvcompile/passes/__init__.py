@@ -1,7 +1,8 @@
 """Graph passes that turn a captured model into one whose attention runs over the paged cache.
 
 Order (``rewrite``): InsertPagedAttention (every SDPA node -> kvcompile op with its layer index), then
-DropDeadMaskCode (the model's own mask code is now dead).
+KeepLastLogits when only the last position's logits are wanted, then DropDeadMaskCode (the model's own mask code
+is now dead).
 """
 
 from __future__ import annotations
@@ -11,19 +12,24 @@ from torch import fx
 from ..spec import ModelSpec
 from .base import GraphPass, PassManager
 from .paged_attention import CACHE_BUFFERS, DropDeadMaskCode, InsertPagedAttention
+from .last_logits import KeepLastLogits
 from .sdpa import UnsupportedGraph
 
 
-def rewrite(captured: fx.GraphModule, spec: ModelSpec, *, decode: bool) -> fx.GraphModule:
-    """A copy of ``captured`` whose attention reads and writes the paged cache (the prefill or decode program).
+def rewrite(captured: fx.GraphModule, spec: ModelSpec, *, decode: bool, last_logits: bool = False) -> fx.GraphModule:
+    """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or the decode program).
 
     The program is ``forward(input_ids, position_ids, kvc_q_pos, kvc_slots, *cache tensors) -> logits`` with the
-    cache tensors in the order of ``CACHE_BUFFERS``.
+    cache tensors in the order of ``CACHE_BUFFERS``; with ``last_logits`` the logits are [B, 1, V].
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(captured.graph, {}))
     gm = fx.GraphModule(captured, graph)
-    return PassManager([InsertPagedAttention(spec, decode=decode), DropDeadMaskCode()])(gm)
+    order = [InsertPagedAttention(spec, decode=decode)] + [KeepLastLogits()] * last_logits + [DropDeadMaskCode()]
+    return PassManager(order)(gm)
 
 
-__all__ = ["CACHE_BUFFERS", "GraphPass", "PassManager", "InsertPagedAttention", "DropDeadMaskCode", "UnsupportedGraph", "rewrite"]
+__all__ = [
+    "CACHE_BUFFERS", "DropDeadMaskCode", "GraphPass", "InsertPagedAttention", "KeepLastLogits", "PassManager",
+    "UnsupportedGraph", "rewrite",
+]
