@@ -17,7 +17,7 @@ def _demo(args) -> int:
     model, tok = kvcompile.load_model(args.model)
     sample = passkey(tok, args.tokens, seed=args.seed, depth=args.depth)
     enc = lambda text: tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]  # noqa: E731
-    context, question = enc(sample.context), enc(sample.question)
+    context, question = (enc(text) for text in sample.prompt(tok))
     print(f"prompt: {context.shape[1]} context tokens with a pass key hidden at depth {args.depth}, "
           f"then the question ({question.shape[1]} tokens), compressed before the question is read", file=sys.stderr)
     t0 = time.perf_counter()
@@ -39,7 +39,7 @@ def _demo(args) -> int:
                 break
             logits = cm.decode(token)
         t_decode = time.perf_counter() - t0
-        answer = tok.decode(torch.cat(new, 1)[0], skip_special_tokens=True).strip()
+        answer = " ".join(tok.decode(torch.cat(new, 1)[0], skip_special_tokens=True).split())
         rows.append((name, str(cm.budget), answer, stats["bytes_held"], stats["bytes_full"], t_prefill, len(new) / t_decode))
     print(f"\npass key: {sample.answer}")
     print(f"{'recipe':<14}{'budget':>8}  {'answer':<24}{'KV held':>12}{'KV full':>12}{'held/full':>10}{'prefill s':>10}{'decode tok/s':>13}")

@@ -24,7 +24,7 @@ def encode(tok, text):
 def test_passkey_at_full_budget_and_bytes(smollm2):
     model, tok, cm = smollm2
     sample = passkey(tok, 1000, seed=3)
-    context, question = encode(tok, sample.context), encode(tok, sample.question)
+    context, question = (encode(tok, text) for text in sample.prompt(tok))
     out = cm.generate(question, context_ids=context, max_new_tokens=8)
     answer = tok.decode(out[0, question.shape[1] :])
     assert sample.answer in answer, f"expected {sample.answer}, got {answer!r}"

@@ -15,6 +15,19 @@ class Sample:
     context: str
     question: str
     answer: str
+    answer_prefix: str = ""
+
+    def prompt(self, tokenizer) -> tuple[str, str]:
+        """(context text, question text) in the model's chat format when it has one; the context part ends where
+        the question starts, so it can be compressed before the question is read."""
+        if not getattr(tokenizer, "chat_template", None):
+            return self.context, self.question + " " + self.answer_prefix
+        marker = "\x00QUESTION\x00"
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": self.context + marker}], tokenize=False, add_generation_prompt=True
+        )
+        context, rest = text.split(marker)
+        return context, self.question + rest + self.answer_prefix
 
 
 def passkey(tokenizer, n_tokens: int, seed: int = 0, depth: float | None = None) -> Sample:
@@ -31,4 +44,4 @@ def passkey(tokenizer, n_tokens: int, seed: int = 0, depth: float | None = None)
     at = round(depth * n_filler)
     intro = "There is important information hidden in a lot of irrelevant text. Find it and memorize it.\n"
     context = intro + _FILLER * at + needle + _FILLER * (n_filler - at)
-    return Sample(context, "\nWhat is the pass key? The pass key is", key)
+    return Sample(context, "\nWhat is the pass key?", key, answer_prefix="The pass key is")
