@@ -98,6 +98,23 @@ def run(args):
     return rows
 
 
+def table(rows) -> str:
+    """Markdown table: times, and ratios against transformers' full cache measured in the same run."""
+    budgets = sorted({k.split("_")[1] for r in rows for k in r if k.endswith("_compress_s")}, key=float, reverse=True)
+    head = ["context", "batch", "HF prefill s", "kv prefill s", "HF decode ms", "kv 1.0 decode ms", "HF / kv 1.0"]
+    for b in budgets:
+        head += [f"kv {b} decode ms", f"HF / kv {b}", f"compress {b} / kv prefill"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["context"], r["batch"], f"{r['hf_prefill_s']:.1f}", f"{r['kv_prefill_s']:.1f}",
+                 f"{r['hf_decode_ms']:.0f}", f"{r['kv_1.0_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r['kv_1.0_decode_ms']:.2f}"]
+        for b in budgets:
+            cells += [f"{r[f'kv_{b}_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r[f'kv_{b}_decode_ms']:.2f}",
+                      f"{r[f'kv_{b}_compress_s'] / r['kv_prefill_s']:.1%}"]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows, path):
     import matplotlib
 
@@ -134,7 +151,9 @@ def main():
             "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    Path(args.out + ".md").write_text(table(rows) + "\n")
     plot(rows, args.out + ".png")
+    print(table(rows))
 
 
 if __name__ == "__main__":
