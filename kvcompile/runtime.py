@@ -96,6 +96,7 @@ class CompressedModel(nn.Module):
         self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
         self.peak_bytes_held = 0
         self._room = 0
+        self._max_seen = 0  # host copy of seen.max(), so decode checks lengths without a device sync
 
     @property
     def device(self) -> torch.device:
@@ -106,7 +107,7 @@ class CompressedModel(nn.Module):
         """Forget every sequence; the next ``prefill`` starts fresh."""
         self.seen = self.context_tokens = None
         self.peak_bytes_held = 0
-        self._room = 0
+        self._room = self._max_seen = 0
 
     def _budget_bytes(self) -> Tensor:
         per_row = [
@@ -128,12 +129,14 @@ class CompressedModel(nn.Module):
             recipe=self.recipe.tag,
             query_aware=self.recipe.query_aware,
             tokens_held=int(held),
-            peak_bytes_held=self.peak_bytes_held,
+            peak_bytes_held=max(self.peak_bytes_held, stats["bytes_held"]),  # decode only grows the cache
         )
         return stats
 
     # ------------------------------------------------------------------ checks
-    def _check_tokens(self, input_ids: Tensor, attention_mask: Tensor | None, *, fresh: bool = False, extra: int = 0) -> Tensor:
+    def _check_tokens(
+        self, input_ids: Tensor, attention_mask: Tensor | None, *, fresh: bool = False, extra: int = 0
+    ) -> Tensor:
         """Validate a batch (against an empty cache if ``fresh``, with ``extra`` tokens still to come); return the
         real-token mask [B, T] (bool). Raises before anything is changed."""
         current = None if fresh else self.seen
@@ -154,10 +157,15 @@ class CompressedModel(nn.Module):
             if not ((attention_mask == 0) | (attention_mask == 1)).all():
                 raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
             real = attention_mask.bool()
-        seen = current.to(real.device) if current is not None else torch.zeros(B, dtype=torch.long, device=real.device)
         if current is None and not real.any(1).all():
             raise ValueError("a sequence in the batch has no tokens (its attention_mask row is all zeros)")
-        limit, longest = self.spec.max_positions, int((seen + real.sum(1)).max()) + extra
+        before = 0 if current is None else self._max_seen
+        if attention_mask is None:  # every row gets T tokens: no device sync on the decode path
+            longest = before + T + extra
+        else:
+            seen = torch.zeros(B, dtype=torch.long) if current is None else current.cpu()
+            longest = int((seen + real.sum(1).cpu()).max()) + extra
+        limit = self.spec.max_positions
         if limit is not None and longest > limit:
             raise ValueError(
                 f"sequence too long: {longest} positions (including tokens still to generate), "
@@ -166,7 +174,7 @@ class CompressedModel(nn.Module):
         return real.to(self.device)
 
     # ------------------------------------------------------------------ steps
-    def _step(self, program: fx.GraphModule, input_ids: Tensor, real: Tensor) -> Tensor:
+    def _step(self, program: Callable, input_ids: Tensor, real: Tensor) -> Tensor:
         n_new = real.sum(1)
         pos = self.seen[:, None] + real.long().cumsum(1) - 1
         q_pos = pos.masked_fill(~real, -1)
@@ -179,7 +187,6 @@ class CompressedModel(nn.Module):
             cache = [getattr(self.cache, name) for name in passes.CACHE_BUFFERS]
             logits = program(input_ids.to(self.device).contiguous(), pos.clamp_min(0), q_pos, slots, *cache)
         self.seen = self.seen + n_new
-        self.peak_bytes_held = max(self.peak_bytes_held, int(self.cache.bytes_held().sum()))
         return logits
 
     def _start(self, batch_size: int) -> None:
@@ -187,7 +194,7 @@ class CompressedModel(nn.Module):
         self.seen = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.context_tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.peak_bytes_held = 0
-        self._room = 0
+        self._room = self._max_seen = 0
 
     def prefill(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True, logits: str = "all"
@@ -213,9 +220,11 @@ class CompressedModel(nn.Module):
             self.cache.reserve(r.sum(1))
             program = self.programs.prefill if logits == "all" else self.programs.prefill_last
             outs.append(self._step(program, ids, r))
+            self.peak_bytes_held = max(self.peak_bytes_held, int(self.cache.bytes_held().sum()))  # before compression
             if compress:
                 self._compress()
         self._room = 0
+        self._max_seen = int(self.seen.max())
         return torch.cat(outs, 1) if logits == "all" else outs[-1]
 
     def _compress(self) -> None:
@@ -236,6 +245,7 @@ class CompressedModel(nn.Module):
             self.cache.reserve(_DECODE_RESERVE)
             self._room = _DECODE_RESERVE
         self._room -= 1
+        self._max_seen += 1
         return self._step(self.programs.decode, input_ids, real)
 
     # ------------------------------------------------------------------ generation
