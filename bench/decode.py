@@ -100,7 +100,7 @@ def run(args):
 
 def table(rows) -> str:
     """Markdown table: times, and ratios against transformers' full cache measured in the same run."""
-    budgets = sorted({k.split("_")[1] for r in rows for k in r if k.endswith("_compress_s")}, key=float, reverse=True)
+    budgets = list(dict.fromkeys(k[3 : -len("_compress_s")] for r in rows for k in r if k.endswith("_compress_s")))
     head = ["context", "batch", "HF prefill s", "kv prefill s", "HF decode ms", "kv 1.0 decode ms", "HF / kv 1.0"]
     for b in budgets:
         head += [f"kv {b} decode ms", f"HF / kv {b}", f"compress {b} / kv prefill"]
