@@ -1,8 +1,9 @@
 """The custom ops the rewritten graph calls, registered with ``torch.library``.
 
 Each attention op replaces one scaled-dot-product-attention node and does, for its layer: write the new K/V
-into the pages the cache reserved for them, remember the last queries for window scorers, and attend from the new
-queries over every token the layer's KV heads hold (causal by original position, optionally sliding-window).
+into the pages the cache reserved for them, remember the last queries for window scorers (prefill only), and
+attend from the new queries over every token the layer's KV heads hold (causal by original position, optionally
+sliding-window).
 ``prefill_attention`` and ``decode_attention`` share that contract; they differ in the kernel a backend picks
 (decode is one query per row, the case the paged decode kernel is built for). ``compact`` moves the kept tokens
 of every head to the front of its own pages.
@@ -39,16 +40,17 @@ def _on_gpu(t: Tensor) -> bool:
     return t.is_cuda and importlib.util.find_spec("triton") is not None
 
 
-def _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window):
+def _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window, decode):
     reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
-    _observe(obs_q, layer, q)
+    if not decode:  # window scorers read prefill queries; decode steps stay free of that copy
+        _observe(obs_q, layer, q)
     attend = reference.paged_attention
-    if q.shape[2] == 1 and _on_gpu(q):
+    if decode and _on_gpu(q):
         from .kernels.triton_decode import paged_decode as attend
     return attend(q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window).contiguous()
 
 
-def _attention_op(name: str, doc: str):
+def _attention_op(name: str, doc: str, decode: bool):
     """Register one attention op; prefill and decode share the contract (and the CPU path), not the kernel."""
 
     @torch.library.custom_op(f"kvcompile::{name}", mutates_args=_MUTATED)
@@ -57,7 +59,9 @@ def _attention_op(name: str, doc: str):
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
         layer: int, scale: float, window: int,
     ) -> Tensor:
-        return _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window)
+        return _attend(
+            q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window, decode
+        )
 
     @op.register_fake
     def _fake(q, *args, **kwargs):
@@ -68,10 +72,12 @@ def _attention_op(name: str, doc: str):
 
 
 prefill_attention = _attention_op(
-    "prefill_attention", "Append T new tokens per row and attend causally over everything the layer holds -> [B, Hq, T, D]."
+    "prefill_attention", "Append T new tokens per row and attend causally over everything the layer holds -> [B, Hq, T, D].",
+    decode=False,
 )
 decode_attention = _attention_op(
-    "decode_attention", "Append one token per row and attend over each KV head's ragged pages -> [B, Hq, 1, D]."
+    "decode_attention", "Append one token per row and attend over each KV head's ragged pages -> [B, Hq, 1, D].",
+    decode=True,
 )
 
 

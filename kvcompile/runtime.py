@@ -181,7 +181,7 @@ class CompressedModel(nn.Module):
         slots = self.cache.slots_for(real)
         self.cache.lengths += n_new.to(torch.int32)[None, :, None]
         W = self.cache.obs_window
-        if W:
+        if W and program is not self.programs.decode:  # the prefill ops remember their last W queries
             self.cache.obs_pos = torch.cat([self.cache.obs_pos, q_pos], 1)[:, -W:]
         with torch.no_grad():
             cache = [getattr(self.cache, name) for name in passes.CACHE_BUFFERS]
