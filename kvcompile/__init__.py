@@ -43,7 +43,8 @@ def apply(
 
     Parameters
     ----------
-    model: a ``CompressedModel`` (re-uses its captured graph: cheap), a transformers causal LM loaded with ``attn_implementation="sdpa"``, or an ``nn.Module`` with
+    model: a ``CompressedModel`` (re-uses its captured graph: cheap), a transformers causal LM loaded with
+        ``attn_implementation="sdpa"``, or an ``nn.Module`` with
         ``forward(input_ids [B, T], position_ids [B, T]) -> logits`` that calls
         ``F.scaled_dot_product_attention(..., is_causal=True)`` and declares ``num_layers``, ``num_heads``,
         ``num_kv_heads``, ``head_dim``. It is not modified.

@@ -171,7 +171,8 @@ class PagedKVCache(nn.Module):
             pad = torch.zeros(spare_pages, *self.k_pages.shape[1:], dtype=self.dtype, device=self.device)
             self.k_pages = torch.cat([self.k_pages, pad])
             self.v_pages = torch.cat([self.v_pages, torch.zeros_like(pad)])
-            self.page_pos = torch.cat([self.page_pos, torch.zeros(spare_pages, self.page_size, dtype=torch.int32, device=self.device)])
+            pos_pad = torch.zeros(spare_pages, self.page_size, dtype=torch.int32, device=self.device)
+            self.page_pos = torch.cat([self.page_pos, pos_pad])
         self._set_free(torch.arange(capacity - 1, n_used, -1, dtype=torch.int32, device=self.device))
 
     def _set_free(self, ids: Tensor) -> None:

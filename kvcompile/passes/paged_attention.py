@@ -18,9 +18,9 @@ class InsertPagedAttention(GraphPass):
 
     Adds graph inputs after the existing ones: ``kvc_q_pos`` [B, T] (original positions, -1 for padding),
     ``kvc_slots`` [L, B, Hkv, T] (pool rows for the new tokens), then the cache tensors named in
-    ``CACHE_BUFFERS`` (mutated in place by the ops), so the same program runs eagerly, compiled or exported. Keys and values are taken before ``repeat_kv``, so
-    the op sees one head per KV head. The model's own attention mask is dropped: the op rebuilds causal, padding
-    and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
+    ``CACHE_BUFFERS`` (mutated in place by the ops), so the same program runs eagerly, compiled or exported.
+    Keys and values are taken before ``repeat_kv``, so the op sees one head per KV head. The model's own
+    attention mask is dropped: the op rebuilds causal, padding and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
     is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
     """
 
