@@ -92,11 +92,7 @@ class CompressedModel(nn.Module):
             spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
             dtype=spec.dtype, page_size=page_size, obs_window=window, device=device,
         )
-        self.seen: Tensor | None = None  # [B] tokens each row has read (the next position)
-        self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
-        self.peak_bytes_held = 0
-        self._room = 0
-        self._max_seen = 0  # host copy of seen.max(), so decode checks lengths without a device sync
+        self.reset()
 
     @property
     def device(self) -> torch.device:
@@ -105,9 +101,11 @@ class CompressedModel(nn.Module):
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget every sequence; the next ``prefill`` starts fresh."""
-        self.seen = self.context_tokens = None
+        self.seen: Tensor | None = None  # [B] tokens each row has read (the next position)
+        self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
         self.peak_bytes_held = 0
-        self._room = self._max_seen = 0
+        self._room = 0  # tokens every head can still take without reserving pages
+        self._max_seen = 0  # host copy of seen.max(), so decode checks lengths without a device sync
 
     def _budget_bytes(self) -> Tensor:
         per_row = [
@@ -190,11 +188,10 @@ class CompressedModel(nn.Module):
         return logits
 
     def _start(self, batch_size: int) -> None:
+        self.reset()
         self.cache.setup(batch_size)
         self.seen = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.context_tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-        self.peak_bytes_held = 0
-        self._room = self._max_seen = 0
 
     def prefill(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True, logits: str = "all"

@@ -25,10 +25,6 @@ class ModelSpec:
     max_positions: int | None
     hf_causal_lm: bool
 
-    @property
-    def group_size(self) -> int:
-        return self.num_q_heads // self.num_kv_heads
-
     @classmethod
     def from_model(cls, model: nn.Module) -> "ModelSpec":
         """Read the spec from a transformers config, or from attributes a plain module declares.
