@@ -5,6 +5,7 @@ The artifact is a folder::
 
     prefill.pt2, prefill_last.pt2, decode.pt2
                               AOTInductor packages: (input_ids, position_ids, q_pos, slots, *cache) -> logits
+                              (``backend="tensorrt"``: ``*.ep``, exported programs holding TensorRT engines)
     kvcompile.json            spec (geometry, dtype, windows), per-layer scales, recipe, budget, page size
 
 The cache stays outside the packages (its tensors are program inputs, mutated in place), so the loaded model
@@ -28,6 +29,17 @@ from .runtime import CompressedModel, Programs
 from .spec import ModelSpec
 
 _FORMAT = 1
+_SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}
+
+
+def _require_tensorrt(device: torch.device) -> None:
+    """Fail early, naming what is missing, before anything is written."""
+    try:
+        import torch_tensorrt  # noqa: F401
+    except ImportError as e:
+        raise ImportError("backend='tensorrt' needs torch_tensorrt (pip install torch-tensorrt); use backend='aoti'") from e
+    if device.type != "cuda":
+        raise ValueError(f"backend='tensorrt' needs the model on a CUDA device; it is on {device.type}")
 
 
 def _example(cm: CompressedModel, tokens: int):
@@ -56,31 +68,38 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
     """Write ``cm``'s programs and layout to the folder ``path``; returns it. ``load(path)`` reads it back.
 
     ``backend="aoti"`` (default) compiles with AOTInductor (CPU or CUDA, whichever device the model is on).
-    ``backend="tensorrt"`` needs ``torch_tensorrt`` and a CUDA device; it has not been run yet.
+    ``backend="tensorrt"`` compiles with ``torch_tensorrt`` (needs it installed and the model on CUDA); TensorRT
+    builds engines for the dense layers and leaves the kvcompile ops to PyTorch. It has never been run (no GPU
+    was available to the project yet).
     """
-    if backend == "tensorrt":
-        raise NotImplementedError(
-            "backend='tensorrt' is not implemented yet (it needs torch_tensorrt and a CUDA device, and has never "
-            "been run); use backend='aoti'"
-        )
-    if backend != "aoti":
-        raise ValueError(f"unknown export backend {backend!r}; use 'aoti'")
+    if backend not in _SUFFIX:
+        raise ValueError(f"unknown export backend {backend!r}; use one of {sorted(_SUFFIX)}")
     if cm.programs.captured is None:
         raise ValueError("this model was itself loaded from an artifact; export the model it came from")
+    if backend == "tensorrt":
+        _require_tensorrt(cm.device)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     for name in Programs.NAMES:
         decode = name == "decode"
         program = getattr(cm.programs, name)
         program = getattr(program, "_orig_mod", program)  # the eager graph under a torch.compile wrapper
+        example = _example(cm, 1 if decode else 8)
+        file = out / f"{name}{_SUFFIX[backend]}"
         with torch.no_grad():
-            ep = torch.export.export(program, _example(cm, 1 if decode else 8), dynamic_shapes=_dynamic_shapes(decode),
-                                     strict=False)
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(out / f"{name}.pt2"))
+            ep = torch.export.export(program, example, dynamic_shapes=_dynamic_shapes(decode), strict=False)
+            if backend == "aoti":
+                torch._inductor.aoti_compile_and_package(ep, package_path=str(file))
+            else:
+                import torch_tensorrt
+
+                engine = torch_tensorrt.dynamo.compile(ep, arg_inputs=list(example), min_block_size=1)
+                torch_tensorrt.save(engine, str(file), output_format="exported_program", arg_inputs=list(example))
     spec = dataclasses.asdict(cm.spec) | {"dtype": str(cm.spec.dtype).removeprefix("torch.")}
     gen = cm.generation_config
     meta = {
         "format": _FORMAT,
+        "backend": backend,
         "spec": spec,
         "scales": cm.programs.scales,
         "recipe": dataclasses.asdict(cm.recipe),
@@ -108,7 +127,12 @@ def load(path, *, device: str = "cpu") -> CompressedModel:
     if meta.get("format") != _FORMAT:
         raise ValueError(f"{folder}: export format {meta.get('format')!r}, this kvcompile reads format {_FORMAT}")
     spec = meta["spec"] | {"dtype": getattr(torch, meta["spec"]["dtype"]), "windows": tuple(meta["spec"]["windows"])}
-    runners = [torch._inductor.aoti_load_package(str(folder / f"{n}.pt2")) for n in Programs.NAMES]
+    backend = meta.get("backend", "aoti")
+    if backend == "tensorrt":
+        _require_tensorrt(torch.device(device))
+        runners = [torch.export.load(str(folder / f"{n}.ep")).module() for n in Programs.NAMES]
+    else:
+        runners = [torch._inductor.aoti_load_package(str(folder / f"{n}.pt2")) for n in Programs.NAMES]
     programs = Programs(*runners, meta["scales"], captured=None)
     return CompressedModel(
         programs, ModelSpec(**spec), Recipe(**meta["recipe"]), Budget(**meta["budget"]),

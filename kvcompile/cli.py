@@ -1,4 +1,10 @@
-"""Command line: ``kvcompile demo`` compresses a real model's cache on a long prompt and reports what it held."""
+"""Command line.
+
+``kvcompile demo``: compress a real model's cache on a long prompt and report what it held.
+``kvcompile eval``: a recipes x budgets x tasks sweep with one shared prefill per context (CSV, JSON, PNG).
+``kvcompile fidelity``: KL, top-1, perplexity, greedy agreement and per-layer attention errors against the full cache.
+``kvcompile lm-eval ...``: lm-eval's own command line with the ``kvcompile`` model and the ``kvc_*`` tasks.
+"""
 
 from __future__ import annotations
 
@@ -49,7 +55,77 @@ def _demo(args) -> int:
     return 0
 
 
+def _csv(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _load(name: str):
+    import kvcompile
+
+    print(f"loading {name} and capturing it...", file=sys.stderr)
+    model, tok = kvcompile.load_model(name)
+    return kvcompile.apply(model, budget=1.0, recipe="full"), tok
+
+
+def _eval(args) -> int:
+    from kvcompile.eval import sweep
+    from kvcompile.eval.synthetic import TASKS
+
+    tasks = list(TASKS) if args.tasks == "all" else _csv(args.tasks)
+    cm, tok = _load(args.model)
+    result = sweep.run(
+        cm, tok, _csv(args.recipes), [sweep.parse_budget(b) for b in _csv(args.budgets)], tasks,
+        n_samples=args.n_samples, length=args.length, seed=args.seed, kl=args.kl,
+        measure_separate=args.measure_separate,
+    )
+    for path in sweep.write(result, args.out, model=args.model):
+        print(f"wrote {path}", file=sys.stderr)
+    print(f"{'task':<18}{'recipe':<14}{'budget':>8}{'score':>7}{'held MiB':>10}{'wall s':>8}{'KL':>8}{'top1':>6}  error")
+    for r in result["rows"]:
+        fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
+        held = r["bytes_held_mean"] / 2**20 if r["bytes_held_mean"] is not None else None
+        print(f"{r['task']:<18}{r['recipe']:<14}{r['budget']:>8}{fmt(r['score'], '.2f'):>7}{fmt(held, '.2f'):>10}"
+              f"{r['wall_s']:>8.1f}{fmt(r['kl_mean'], '.3f'):>8}{fmt(r['top1'], '.2f'):>6}  {r['error'] or ''}")
+    t = result["timing"]
+    if "shared_over_separate" in t:
+        print(f"shared prefill vs separate runs over {t['separate_contexts']} contexts: {t['separate_shared_s']:.1f} s vs "
+              f"{t['separate_s']:.1f} s (ratio {t['shared_over_separate']:.3f}); answers that differ: "
+              f"{t['separate_mismatches']}")
+    return 0
+
+
+def _fidelity(args) -> int:
+    import json
+    from pathlib import Path
+
+    from kvcompile.eval import fidelity
+
+    from .eval.sweep import parse_budget
+
+    cm, tok = _load(args.model)
+    rows = fidelity.measure(
+        cm, tok, _csv(args.recipes), [parse_budget(b) for b in _csv(args.budgets)], context=args.context,
+        scored=args.scored, windows=args.windows, greedy_tokens=args.greedy_tokens, seed=args.seed,
+    )
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    print(f"{'recipe':<16}{'budget':>7}{'drop mass':>10}{'attn err':>9}{'KL mean':>9}{'KL p99':>8}{'KL max':>8}"
+          f"{'top1':>6}{'PPL':>8}{'PPL full':>9}{'greedy':>7}")
+    for r in rows:
+        g = f"{r['greedy_agree']:.2f}" if r["greedy_agree"] is not None else "-"
+        print(f"{r['recipe']:<16}{r['budget']:>7}{r['dropped_mass']:>10.3f}{r['attn_rel_err']:>9.3f}{r['kl_mean']:>9.4f}"
+              f"{r['kl_p99']:>8.3f}{r['kl_max']:>8.2f}{r['top1']:>6.3f}{r['ppl']:>8.2f}{r['ppl_full']:>9.2f}{g:>7}")
+    return 0
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
+        from kvcompile.eval.harness import main as lm_eval_main
+
+        return lm_eval_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvcompile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="compress SmolLM2's cache on a long pass-key prompt and report bytes and speed")
@@ -60,8 +136,32 @@ def main(argv=None) -> int:
     demo.add_argument("--depth", type=float, default=0.9, help="where the pass key sits (0 = start, 1 = end)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--max-new-tokens", type=int, default=12)
+    ev = sub.add_parser("eval", help="sweep recipes x budgets over the synthetic tasks (shared prefill per context)")
+    ev.add_argument("--model", default="smollm2-135m")
+    ev.add_argument("--recipes", default="streamingllm,knorm,snapkv,adakv-snapkv,random", help="comma-separated")
+    ev.add_argument("--budgets", default="0.5,0.25,0.1", help="fractions, tokens per KV head, or sizes like 64MiB")
+    ev.add_argument("--tasks", default="niah_single_1,passkey", help="comma-separated task names, or 'all'")
+    ev.add_argument("--n-samples", type=int, default=10)
+    ev.add_argument("--length", type=int, default=1024, help="prompt plus answer tokens per sample")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--kl", action="store_true", help="add next-token KL and top-1 agreement against the full cache")
+    ev.add_argument("--measure-separate", type=int, default=0, metavar="N",
+                    help="also run every cell separately on the first N contexts and report the time ratio")
+    ev.add_argument("--out", default="bench/results/sweep", help="output path without extension")
+    fi = sub.add_parser("fidelity", help="KL / top-1 / PPL / greedy agreement and per-layer attention errors")
+    fi.add_argument("--model", default="smollm2-135m")
+    fi.add_argument("--recipes", default="streamingllm,knorm,snapkv,adakv-snapkv,random")
+    fi.add_argument("--budgets", default="0.5,0.25,0.1")
+    fi.add_argument("--context", type=int, default=1024)
+    fi.add_argument("--scored", type=int, default=512, help="teacher-forced tokens per window")
+    fi.add_argument("--windows", type=int, default=4)
+    fi.add_argument("--greedy-tokens", type=int, default=64)
+    fi.add_argument("--seed", type=int, default=0)
+    fi.add_argument("--out", default=None, help="JSON output path")
+    sub.add_parser("lm-eval", help="lm-eval's command line (kvcompile lm-eval --help) with the kvcompile model "
+                   "and tasks registered")
     args = parser.parse_args(argv)
-    return {"demo": _demo}[args.command](args)
+    return {"demo": _demo, "eval": _eval, "fidelity": _fidelity}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The path of one token: ``generate`` -> ``prefill`` / ``decode`` -> ``_step`` (reserve pages, compute positions and
 pool rows) -> the rewritten program (``passes.rewrite``), whose kvcompile ops write K/V into the cache and attend
--> after a prefill, ``compress.compress`` keeps the budget's bytes.
+-> after a prefill, ``compress.compress`` keeps the budget's bytes; while decoding, a recipe's decode schedule
+(``schedule.DecodeCompressor``) keeps the cache under the budget between steps.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Callable
 import torch
 from torch import Tensor, fx, nn
 
-from . import passes
+from . import ops, passes
 from .budget import Budget
 from .cache import PagedKVCache
 from .compress import compress as compress_cache
 from .recipes import Recipe
+from .schedule import DecodeCompressor, DecodeSchedule
 from .spec import ModelSpec
 
 _DECODE_RESERVE = 64  # tokens of room reserved at a time while decoding (allocation stays off the step)
@@ -87,7 +89,9 @@ class CompressedModel(nn.Module):
         self.scorer, self.allocator = recipe.build()
         self.prefill_chunk = prefill_chunk
         self.generation_config = generation_config
-        window = self.scorer.observation_window if self.scorer else 0
+        schedule = self._schedule()  # the ops also keep the queries a decode policy reads
+        window = max(self.scorer.observation_window if self.scorer else 0,
+                     schedule.observation_window if schedule else 0)
         self.cache = PagedKVCache(
             spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
             dtype=spec.dtype, page_size=page_size, obs_window=window, device=device,
@@ -105,7 +109,15 @@ class CompressedModel(nn.Module):
         self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
         self.peak_bytes_held = 0
         self._room = 0  # tokens every head can still take without reserving pages
+        self.decoder: DecodeCompressor | None = None  # the decode schedule's state, from the first decode step on
         self._max_seen = 0  # host copy of seen.max(), so decode checks lengths without a device sync
+        self._last_chunk: tuple[Tensor, Tensor] | None = None  # last (ids, real) compressed; KVzip re-reads it
+
+    def _schedule(self) -> DecodeSchedule | None:
+        """The recipe's decode schedule; None when there is none or the budget keeps everything."""
+        if self.recipe.decode is None or self.budget.is_full:
+            return None
+        return DecodeSchedule(**self.recipe.decode)
 
     def _budget_bytes(self) -> Tensor:
         per_row = [
@@ -127,7 +139,7 @@ class CompressedModel(nn.Module):
             recipe=self.recipe.tag,
             query_aware=self.recipe.query_aware,
             tokens_held=int(held),
-            peak_bytes_held=max(self.peak_bytes_held, stats["bytes_held"]),  # decode only grows the cache
+            peak_bytes_held=max(self.peak_bytes_held, stats["bytes_held"]),  # decode grows it until the next run
         )
         return stats
 
@@ -179,8 +191,8 @@ class CompressedModel(nn.Module):
         slots = self.cache.slots_for(real)
         self.cache.lengths += n_new.to(torch.int32)[None, :, None]
         W = self.cache.obs_window
-        if W and program is not self.programs.decode:  # the prefill ops remember their last W queries
-            self.cache.obs_pos = torch.cat([self.cache.obs_pos, q_pos], 1)[:, -W:]
+        if W:  # the ops keep their last W queries in a ring (``ops.ring_slots``); the positions follow them
+            self.cache.obs_pos = ops.ring_write(self.cache.obs_pos, ops.ring_slots(q_pos, W), q_pos, dim=1)
         with torch.no_grad():
             cache = [getattr(self.cache, name) for name in passes.CACHE_BUFFERS]
             logits = program(input_ids.to(self.device).contiguous(), pos.clamp_min(0), q_pos, slots, *cache)
@@ -219,8 +231,10 @@ class CompressedModel(nn.Module):
             outs.append(self._step(program, ids, r))
             self.peak_bytes_held = max(self.peak_bytes_held, int(self.cache.bytes_held().sum()))  # before compression
             if compress:
+                self._last_chunk = (ids, r)
                 self._compress()
         self._room = 0
+        self.decoder = None  # a new turn: the decode schedule starts again at the next decode step
         self._max_seen = int(self.seen.max())
         return torch.cat(outs, 1) if logits == "all" else outs[-1]
 
@@ -228,8 +242,35 @@ class CompressedModel(nn.Module):
         if self.budget.is_full or self.scorer is None:
             return
         budget = self._budget_bytes()
-        if bool((self.cache.bytes_held() > budget).any()):
-            compress_cache(self.cache, self.scorer, self.allocator, budget, self.programs.scales, self.spec.windows)
+        if not bool((self.cache.bytes_held() > budget).any()):
+            return
+        seen = self.seen
+        prompt = None if self._last_chunk is None else self.scorer.reconstruction_prompt(*self._last_chunk)
+        if prompt is not None:
+            self._reconstruct(*prompt)
+        compress_cache(self.cache, self.scorer, self.allocator, budget, self.programs.scales, self.spec.windows)
+        if prompt is not None:
+            self._drop_from(seen)
+
+    def _reconstruct(self, ids: Tensor, real: Tensor) -> None:
+        """Prefill a scorer's reconstruction prompt (KVzip) after the context, its queries alone in the observation
+        window. Its tokens are appended like any others; ``_drop_from`` removes them after compression."""
+        self.cache.obs_pos.fill_(-1)
+        real = real.to(self.device)
+        self.cache.reserve(real.sum(1))
+        self._step(self.programs.prefill_last, ids, real)
+        self.peak_bytes_held = max(self.peak_bytes_held, int(self.cache.bytes_held().sum()))
+
+    def _drop_from(self, seen: Tensor) -> None:
+        """Forget every held token at position >= ``seen`` [B] and rewind to it. Kept tokens are in position order,
+        so those are each head's tail: shortening the lengths drops them, and their pages are released."""
+        for layer in range(self.spec.num_layers):
+            _, _, positions, valid = self.cache.dense(layer)
+            self.cache.lengths[layer] = (valid & (positions < seen[:, None, None])).sum(-1).to(torch.int32)
+        self.cache.release_unused()
+        self.cache.trim()
+        self.cache.obs_pos.fill_(-1)
+        self.seen = seen
 
     def decode(self, input_ids: Tensor) -> Tensor:
         """Append one token per sequence ([B, 1]) and return its logits [B, 1, V]."""
@@ -238,12 +279,46 @@ class CompressedModel(nn.Module):
         real = self._check_tokens(input_ids, None)
         if input_ids.shape[1] != 1:
             raise ValueError(f"decode takes one token per sequence, got input_ids of shape {tuple(input_ids.shape)}")
-        if self._room == 0:
-            self.cache.reserve(_DECODE_RESERVE)
-            self._room = _DECODE_RESERVE
-        self._room -= 1
-        self._max_seen += 1
-        return self._step(self.programs.decode, input_ids, real)
+        self._begin_decoding()
+        return self._advance(self.programs.decode, input_ids, real)
+
+    def decode_many(self, input_ids: Tensor) -> Tensor:
+        """Append T known tokens per sequence ([B, T]) exactly as T ``decode`` calls would; returns logits [B, T, V].
+
+        For teacher forcing (scoring a known continuation) at a fraction of the cost: the prefill program reads the
+        tokens a segment at a time, each segment ending where the decode schedule runs, so every token sees the
+        cache that T ``decode`` calls would have shown it (up to floating-point summation order).
+        """
+        if self.seen is None:
+            raise RuntimeError("decode_many needs a prefilled cache: call prefill first")
+        real = self._check_tokens(input_ids, None)
+        self._begin_decoding()
+        outs, start, T = [], 0, input_ids.shape[1]
+        while start < T:
+            n = T - start if self.decoder is None else min(T - start, self.decoder.until_run())
+            segment = slice(start, start + n)
+            outs.append(self._advance(self.programs.prefill, input_ids[:, segment], real[:, segment]))
+            start += n
+        return torch.cat(outs, 1)
+
+    def _begin_decoding(self) -> None:
+        if self.decoder is None and (schedule := self._schedule()) is not None:  # decoding starts: the cap holds
+            self.decoder = DecodeCompressor(schedule, self.budget, self.programs.scales, self.spec.windows)
+            self._room = self.decoder.start(self.cache, self.seen)
+
+    def _advance(self, program: Callable, input_ids: Tensor, real: Tensor) -> Tensor:
+        """Append ``input_ids`` [B, n] as n decode steps (no schedule run falls inside them), then run it if due."""
+        n = input_ids.shape[1]
+        if self._room < n:
+            self.cache.reserve(max(_DECODE_RESERVE, n))
+            self._room = max(_DECODE_RESERVE, n)
+        self._room -= n
+        self._max_seen += n
+        logits = self._step(program, input_ids, real)
+        if self.decoder is not None and (held := self.decoder.step(self.cache, self.seen, n)) is not None:
+            self.peak_bytes_held = max(self.peak_bytes_held, held)  # what the cache held just before this run
+            self._room = self.decoder.schedule.every
+        return logits
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -295,8 +370,9 @@ class CompressedModel(nn.Module):
             logits = self.prefill(input_ids, attention_mask, compress=False, logits="last")
         else:
             logits = self.prefill(input_ids, attention_mask, logits="last")
-        self.cache.reserve(max_new_tokens)
-        self._room = max_new_tokens
+        if self._schedule() is None:  # one reservation for the whole generation (a decode schedule reserves its own)
+            self.cache.reserve(max_new_tokens)
+            self._room = max_new_tokens
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=self.device)
         new = []
         for step in range(max_new_tokens):
@@ -319,3 +395,35 @@ class CompressedModel(nn.Module):
             outside = sorted_p.cumsum(-1) - sorted_p > top_p
             probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    # ------------------------------------------------------------------ forking
+    def fork(self, recipe: str | Recipe | None = None, budget: float | int | str | None = None) -> "CompressedModel":
+        """A copy of this model's cache and counters, retargeted to ``recipe`` / ``budget``, over the same programs.
+
+        Lets one prefill serve many (recipe, budget) cells: prefill the context once at ``budget=1.0`` with the
+        widest observation window any recipe needs, then ``fork`` per cell and compress (``_compress``). Nothing
+        is captured or rewritten again; only the cache is copied. The fork's observation window must not exceed
+        this model's (the last W observed queries are what a narrower window sees).
+        """
+        import copy
+
+        from .recipes import get_recipe
+
+        recipe = self.recipe if recipe is None else get_recipe(recipe)
+        budget = self.budget if budget is None else Budget.parse(budget)
+        scorer, allocator = recipe.build()
+        if scorer is None and not budget.is_full:
+            raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
+        window = scorer.observation_window if scorer else 0
+        if window > self.cache.obs_window:
+            raise ValueError(
+                f"recipe {recipe.name!r} observes the last {window} queries but this cache kept {self.cache.obs_window}; "
+                "prefill the shared context with the widest-window recipe"
+            )
+        shared = {id(x): x for x in (self.programs, self.spec, self.generation_config) if x is not None}
+        child = copy.deepcopy(self, memo=shared)
+        child.recipe, child.budget, child.scorer, child.allocator = recipe, budget, scorer, allocator
+        cache = child.cache
+        cache.obs_window = window
+        cache.obs_q, cache.obs_pos = ops.narrow_ring(cache.obs_q, cache.obs_pos, window)  # the last `window` queries
+        return child

@@ -26,3 +26,26 @@ def test_compiled_decode_compiles_once_and_matches_eager(llama_cm):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"decode step {step}: {m}")
     assert counter.frame_count == 2, "one prefill and one decode compilation, no graph breaks, no recompiles"
     assert len(set(compiled.cache.lengths.flatten().tolist())) > 1, "per-head lengths differ while decoding"
+
+
+def test_compile_traces_into_the_decode_op(llama_cm):
+    """decode_attention is a triton_op: AOT tracing decomposes it into the ops of its body (the Triton kernel on
+    CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def record(gm, example_inputs):
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # mutating ops come auto_functionalized
+        graphs.append({str(n.args[0] if "auto_functionalized" in str(n.target) else n.target) for n in calls})
+        return make_boxed_func(gm.forward)
+
+    cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", compile=aot_autograd(fw_compiler=record))
+    logits = cm.prefill(torch.randint(2, 90, (1, 12)))
+    cm.decode(logits[:, -1].argmax(-1, keepdim=True))
+    prefill, decode = graphs
+    assert any("prefill_attention" in t for t in prefill)
+    assert not any("decode_attention" in t for t in decode)
+    assert any("index_copy" in t for t in decode), "the op's body (writing the new token) is in the graph"

@@ -9,7 +9,8 @@ from conftest import left_padded_batch
 import kvcompile
 from kvcompile.kernels import reference
 
-RECIPES = ["random", "streamingllm", "knorm", "snapkv", "pyramidkv", "adakv-snapkv"]
+# every prefill-time compressing recipe (decode-time ones: tests/test_decode_compression.py)
+RECIPES = sorted(name for name, r in kvcompile.recipes().items() if r.scorer is not None and r.decode is None)
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.25, 0.1])
@@ -25,6 +26,8 @@ def test_bytes_held_within_budget(llama_cm, recipe, budget):
     per_row = cm._budget_bytes()
     assert (held <= per_row).all(), f"a sequence is over its own budget: {held.tolist()} > {per_row.tolist()}"
     assert stats["bytes_reserved"] < stats["bytes_full"], "the pool itself must shrink, not just the counters"
+    assert not stats["query_aware"] and cm.seen.tolist() == [160, 120, 97]
+    assert torch.isfinite(cm.decode(ids[:, -1:])).all()
 
 
 def test_adakv_is_ragged_and_bytes_match_lengths(llama_cm):

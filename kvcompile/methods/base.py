@@ -8,6 +8,7 @@ Shape letters: L layers, B batch rows, Hq/Hkv query/KV heads, S tokens held, W o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -37,8 +38,9 @@ class Observation:
     """What prefill already has for one layer, as dense per-head views of the cache.
 
     keys, values: [B, Hkv, S, D] post-RoPE; positions: [B, Hkv, S] original positions; valid: [B, Hkv, S];
-    queries: [B, Hq, W, D] the layer's last W queries (post-RoPE); query_positions: [B, W], -1 where there was no
-    query (short prompt, padding); scale: the layer's softmax scale; window: its sliding window (0 = none).
+    queries: [B, Hq, W, D] the layer's last W queries (post-RoPE), in ring order (query p sits in slot p mod W: read
+    ``query_positions``, not the slot order); query_positions: [B, W], -1 where there was no query (short prompt,
+    padding); scale: the layer's softmax scale; window: its sliding window (0 = none).
     """
 
     keys: Tensor
@@ -52,19 +54,33 @@ class Observation:
     layer: int
     num_layers: int
 
-    def window_attention(self) -> Tensor:
-        """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible)."""
+    def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
+        """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible).
+
+        ``queries`` picks a slice of the window ([B, Hq, w, S]), so a scorer that reads many queries can go block by
+        block and never hold a W x S tensor. ``chunk > 0``: non-causal attention within position chunks of that
+        size (query and key in the same chunk) instead of causal attention."""
         B, Hkv, S, D = self.keys.shape
-        Hq, W = self.queries.shape[1], self.queries.shape[2]
-        q = self.queries.reshape(B, Hkv, Hq // Hkv, W, D).float()
+        Hq = self.queries.shape[1]
+        q = self.queries[:, :, queries]
+        W = q.shape[2]
+        q = q.reshape(B, Hkv, Hq // Hkv, W, D).float()
         logits = torch.einsum("bhgwd,bhsd->bhgws", q, self.keys.float()) * self.scale
-        qp = self.query_positions[:, None, None, :, None]
+        qp = self.query_positions[:, queries][:, None, None, :, None]
         kp = self.positions[:, :, None, None, :]
-        visible = self.valid[:, :, None, None, :] & (kp <= qp) & (qp >= 0)
+        order = (qp // chunk == kp // chunk) if chunk > 0 else (kp <= qp)
+        visible = self.valid[:, :, None, None, :] & order & (qp >= 0)
         if self.window > 0:
             visible = visible & (qp - kp < self.window)
         attn = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
         return attn.reshape(B, Hq, W, S)
+
+    def query_blocks(self, block: int) -> list[slice]:
+        """Slices of at most ``block`` window slots that cover every real observed query, skipping empty blocks."""
+        real = (self.query_positions >= 0).any(0)
+        W = real.numel()
+        has = torch.nn.functional.pad(real, (0, -W % block)).view(-1, block).any(1).tolist()
+        return [slice(i * block, (i + 1) * block) for i, any_real in enumerate(has) if any_real]
 
 
 class Scorer:
@@ -79,14 +95,46 @@ class Scorer:
         """How many recent queries per layer the cache must remember for this scorer (0 = none)."""
         return 0
 
+    def score_per_query_head(self, obs: Observation) -> Tensor | None:
+        """[B, Hq, S] the scores each query head alone would rank by (before GQA pooling), or None (the default)
+        where the method has no per-query-head form (key- or value-only scores). ``methods.uor`` reads it."""
+        return None
+
+    def reconstruction_prompt(self, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor] | None:
+        """A prompt the runtime prefills after the context and before scoring, so that its queries fill the
+        observation window; its tokens are dropped again after compression (KVzip's context reconstruction).
+        input_ids, real: [B, T] the tokens just prefilled and their non-pad mask. None (the default): score the
+        context's own queries."""
+        return None
+
 
 class Allocator:
-    """How many tokens each (layer, KV head) keeps under one budget per sequence."""
+    """How many tokens each (layer, KV head) keeps under one budget per sequence.
+
+    Two flags change what the compressor does around ``allocate`` (both off by default):
+    ``page_granular``: ``allocate`` gets page scores (the max over each page's tokens), pages held and a budget in
+    pages, returns pages, and whole pages are kept or evicted. ``tail_summary``: a head that evicts spends the last
+    of its counted slots on one row that summarises its evicted tail, which ``summarize`` computes.
+    """
+
+    page_granular: ClassVar[bool] = False
+    tail_summary: ClassVar[bool] = False
 
     def allocate(self, scores: Tensor, lengths: Tensor, budget: Tensor) -> Tensor:
         """scores [L, B, Hkv, S] (-inf where nothing is held), lengths [L, B, Hkv], budget [B] tokens per sequence
         summed over all layers and KV heads. Return counts [L, B, Hkv] (int64) with counts <= lengths and
-        counts.sum((0, 2)) <= budget."""
+        counts.sum((0, 2)) <= budget. An allocator whose ``layer_stats`` returns tensors gets them, stacked over
+        layers, as a fourth argument ``stats``."""
+        raise NotImplementedError
+
+    def layer_stats(self, obs: Observation, scores: Tensor) -> Tensor | None:
+        """Statistics beyond the scores that ``allocate`` needs from one layer's dense view (``obs``; ``scores``
+        [B, Hkv, S] as the compressor cleaned them): a tensor [B, Hkv, ...], or None (the default)."""
+        return None
+
+    def summarize(self, obs: Observation, evicted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """For ``tail_summary`` allocators: the summary row of each head's evicted tokens (``evicted`` [B, Hkv, S])
+        as key, value [B, Hkv, D] and position [B, Hkv]."""
         raise NotImplementedError
 
 
@@ -96,6 +144,97 @@ def per_head_share(lengths: Tensor, budget: Tensor) -> Tensor:
     return budget // (L * Hkv)
 
 
+def pool_groups(scores: Tensor, num_kv_heads: int, how: str = "mean") -> Tensor:
+    """Per-query-head scores [B, Hq, S] -> per-KV-head [B, Hkv, S], pooled over each GQA group ("mean" or "max")."""
+    B, Hq, S = scores.shape
+    grouped = scores.reshape(B, num_kv_heads, Hq // num_kv_heads, S)
+    return grouped.mean(2) if how == "mean" else grouped.amax(2)
+
+
+def merge_rankings(first: Tensor, second: Tensor, ratio: float) -> Tensor:
+    """One ranking from two score tensors [..., S] (higher = keep, -inf = not held) such that any top k holds the
+    top ~ratio*k of ``first`` and the top ~(1 - ratio)*k of ``second``: a method that splits a budget it does not
+    know between two criteria (H2O's heavy hitters and recent tokens, CriticalKV's two stages). A token ranks by
+    min((rank in first + 1) / ratio, (rank in second + 1) / (1 - ratio)); returns that, negated (higher = keep)."""
+
+    def rank(x):
+        return x.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).float() + 1
+
+    return -torch.minimum(rank(first) / ratio, rank(second) / (1 - ratio))
+
+
 def protect(scores: Tensor, mask: Tensor) -> Tensor:
     """Scores where ``mask`` tokens rank above everything else (kept whenever the head keeps any)."""
     return scores.masked_fill(mask, torch.finfo(scores.dtype).max)
+
+
+_PINNED = torch.finfo(torch.bfloat16).max  # what ``protect`` writes, in float32 or bfloat16 scores
+
+
+def attention_mass(scores: Tensor) -> tuple[Tensor, Tensor]:
+    """Scores read as attention masses, for allocators that reason about the mass they drop.
+
+    scores [..., S] -> mass [..., S] (each head's held, unprotected scores clamped at 0 and normalised to sum to 1;
+    uniform where they are all 0; 0 elsewhere) and pinned [..., S] (tokens ``protect`` pinned: always kept).
+    Meaningful for attention-like scores (SnapKV's window attention); for others it is a heuristic.
+    """
+    pinned = scores >= _PINNED
+    free = (scores > float("-inf")) & ~pinned
+    raw = scores.clamp_min(0).masked_fill(~free, 0.0)
+    total = raw.sum(-1, keepdim=True)
+    uniform = free.float() / free.sum(-1, keepdim=True).clamp_min(1)
+    return torch.where(total > 0, raw / total.clamp_min(torch.finfo(raw.dtype).tiny), uniform), pinned
+
+
+def water_fill(weights: Tensor, caps: Tensor, total: Tensor) -> Tensor:
+    """Integer shares [..., N] of ``total`` [...] proportional to ``weights`` [..., N] (>= 0), each at most
+    ``caps`` [..., N]: what a capped item cannot take goes to the others (water-filling), the rounding remainder to
+    the largest fractions. Items of weight 0 get nothing; the shares sum to at most ``total``."""
+    w, cap = weights.double().clamp_min(0), caps.double().clamp_min(0)
+    room = torch.minimum(total.double(), (cap * (w > 0)).sum(-1))[..., None]
+    lo = torch.zeros_like(room)
+    hi = (cap / w).masked_fill(w == 0, 0.0).amax(-1, keepdim=True)  # at this level every item is capped
+    for _ in range(64):  # bisection on the water level t: share_i = min(cap_i, t * w_i)
+        mid = (lo + hi) / 2
+        fits = torch.minimum(cap, mid * w).sum(-1, keepdim=True) <= room
+        lo, hi = torch.where(fits, mid, lo), torch.where(fits, hi, mid)
+    share = torch.minimum(cap, lo * w)
+    counts = share.floor()
+    frac = (share - counts).masked_fill((counts >= cap) | (w == 0), -1.0)
+    rank = frac.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    counts = counts + ((rank < room - counts.sum(-1, keepdim=True)) & (frac >= 0))
+    return counts.long()
+
+
+def calibration_runner(model, window: int = 0):
+    """A full-budget ``CompressedModel`` over ``model``'s programs (nothing re-captured) whose cache observes the
+    last ``window`` prefill queries: what calibrated methods (RippleKV, SGD-KV, CateKV) measure a model with."""
+    from ..budget import Budget
+    from ..recipes import Recipe
+    from ..runtime import CompressedModel
+
+    recipe = Recipe("calibration", "snapkv", scorer_args={"window": window}) if window else Recipe("full", None)
+    return CompressedModel(model.programs, model.spec, recipe, Budget.parse(1.0), device=model.device)
+
+
+def cached_calibration(kind: str, model, token_ids: Tensor, params: dict, compute):
+    """``compute()`` (a JSON-able list) once per (model weights, ``token_ids``, ``params``), then read back from
+    ``$KVCOMPILE_CALIBRATION`` or ``~/.cache/kvcompile/calibration``: a model is measured once, not per run."""
+    import hashlib
+    import json
+    import os
+    from pathlib import Path
+
+    if model.programs.captured is None:
+        raise ValueError("calibration needs a CompressedModel built by kvcompile.apply, not one loaded from an artifact")
+    weights = [t.double().sum() for t in model.programs.captured.state_dict().values()]
+    key = hashlib.sha256(repr((kind, model.spec, params, token_ids.tolist())).encode())
+    key.update(torch.stack(weights).cpu().numpy().tobytes())
+    root = Path(os.environ.get("KVCOMPILE_CALIBRATION") or Path.home() / ".cache" / "kvcompile" / "calibration")
+    path = root / f"{kind}-{key.hexdigest()[:24]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = compute()
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result

@@ -1,0 +1,38 @@
+"""The evaluation read-out: compress the context, read the question over the compressed cache, decode greedily.
+
+Shared by the lm-eval model (``harness``) and the sweep (``sweep``), so both answer a prompt the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..runtime import CompressedModel
+
+
+def ids_tensor(ids: list[int], device) -> Tensor:
+    return torch.tensor([ids], dtype=torch.long, device=device)
+
+
+@torch.no_grad()
+def read_question(cm: CompressedModel, question: list[int]) -> Tensor:
+    """Append ``question`` to an already compressed cache without compressing it; the last logits [V]."""
+    return cm.prefill(ids_tensor(question, cm.device), compress=False, logits="last")[0, -1]
+
+
+@torch.no_grad()
+def greedy(cm: CompressedModel, logits: Tensor, max_new_tokens: int, eos_ids=(), stop=None) -> list[int]:
+    """Up to ``max_new_tokens`` greedy tokens, the first from ``logits`` [V], the rest decoded over ``cm``'s cache.
+
+    Stops after an ``eos_ids`` token, or when ``stop(tokens)`` (e.g. a stop-string check) returns True. Batch 1;
+    the stop checks read each token on the host (an evaluation loop, not the library's decode path).
+    """
+    tokens: list[int] = []
+    for step in range(max_new_tokens):
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in eos_ids or (stop is not None and stop(tokens)) or step == max_new_tokens - 1:
+            break
+        logits = cm.decode(ids_tensor([token], cm.device))[0, -1]
+    return tokens

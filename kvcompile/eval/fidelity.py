@@ -1,0 +1,181 @@
+"""Task-independent fidelity of a compressed cache against the full one.
+
+Protocol: a context of ``context`` prose tokens (``pydoc_data``) is prefilled once at full budget (all but its
+last token); each (recipe, budget) cell forks that cache and compresses it; then the last context token and
+``scored`` continuation tokens are teacher-forced over the compressed cache and over the full one.
+
+- Local, per layer and KV head (oracle-style: the continuation's queries as computed with the full cache):
+  dropped attention mass ``m`` = attention the evicted tokens received, and the attention-output relative error
+  ``|o' - o| / |o|`` with ``o' = (o - sum_evicted a_j v_j) / (1 - m)`` (the kept weights renormalised).
+- End to end: next-token KL(full || compressed) (mean, p99, max), top-1 agreement, perplexity of both over every
+  scored token, and greedy agreement over ``greedy_tokens`` free-running tokens (first window only).
+- ``oracle``: keeps the context tokens the continuation's queries attend to most (future attention, summed over
+  queries and each GQA group): an upper bound for any policy that must decide before the continuation is read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+import kvcompile
+
+from ..compress import observe
+from ..recipes import Recipe, get_recipe
+from ..runtime import CompressedModel
+from .decoding import greedy, ids_tensor, read_question
+from .oracle import future_attention
+from .synthetic import _prose
+
+
+def next_token_metrics(full: Tensor, comp: Tensor, targets: Tensor) -> dict:
+    """full, comp: logits [T, V] at the same positions; targets [T] the next tokens.
+
+    Returns per-position KL(full || comp) summaries, top-1 agreement and the summed NLL of both."""
+    lp_full, lp_comp = torch.log_softmax(full.float(), -1), torch.log_softmax(comp.float(), -1)
+    kl = (lp_full.exp() * (lp_full - lp_comp)).sum(-1).clamp_min(0)
+    t = targets[:, None].to(full.device)
+    return {
+        "kl": kl,
+        "top1": (full.argmax(-1) == comp.argmax(-1)).float(),
+        "nll_full": -lp_full.gather(-1, t).squeeze(-1),
+        "nll": -lp_comp.gather(-1, t).squeeze(-1),
+    }
+
+
+def summarize(parts: list[dict]) -> dict:
+    """Mean/p99/max KL, top-1 agreement and perplexities over the positions of several ``next_token_metrics``."""
+    cat = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    kl = cat["kl"]
+    ppl_full, ppl = math.exp(float(cat["nll_full"].mean())), math.exp(float(cat["nll"].mean()))
+    return {
+        "kl_mean": float(kl.mean()), "kl_p99": float(kl.quantile(0.99)), "kl_max": float(kl.max()),
+        "top1": float(cat["top1"].mean()), "ppl_full": ppl_full, "ppl": ppl, "ppl_ratio": ppl / ppl_full,
+        "scored_tokens": int(kl.numel()),
+    }
+
+
+def local_errors(probe: CompressedModel, kept: CompressedModel, n_compressed: int) -> tuple[Tensor, Tensor]:
+    """Dropped attention mass and attention-output relative error, each [L, Hkv] (mean over observed queries).
+
+    ``probe`` holds the full context then the continuation and observed the continuation's queries; ``kept`` is
+    the compressed cache (its first ``n_compressed`` positions were subject to compression)."""
+    L = probe.spec.num_layers
+    mass, err = [], []
+    for layer in range(L):
+        obs = observe(probe.cache, layer, probe.programs.scales[layer], probe.spec.windows[layer])
+        attn = obs.window_attention()  # [B, Hq, W, S]
+        _, _, pos_c, valid_c = kept.cache.dense(layer)
+        held = ((obs.positions[..., :, None] == pos_c[..., None, :]) & valid_c[..., None, :]).any(-1)
+        evicted = obs.valid & ~held & (obs.positions < n_compressed)  # [B, Hkv, S]
+        group = attn.shape[1] // evicted.shape[1]
+        ev = evicted.repeat_interleave(group, 1)[:, :, None, :].float()
+        values = obs.values.float().repeat_interleave(group, 1)  # [B, Hq, S, D]
+        m = (attn * ev).sum(-1)  # [B, Hq, W]
+        o = attn @ values
+        o_kept = (o - (attn * ev) @ values) / (1 - m).clamp_min(1e-6)[..., None]
+        rel = (o_kept - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-12)
+        B, Hkv = evicted.shape[:2]
+        mass.append(m.mean((0, 2)).reshape(Hkv, group).mean(-1))
+        err.append(rel.mean((0, 2)).reshape(Hkv, group).mean(-1))
+    return torch.stack(mass), torch.stack(err)
+
+
+def prose_windows(tokenizer, n_windows: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``n_windows`` token windows of ``length`` from ``pydoc_data`` prose, at different offsets (deterministic)."""
+    prose = _prose()
+    out = []
+    for i in range(n_windows):
+        start = (seed * 7919 + i * len(prose) // max(n_windows, 1)) % len(prose)
+        ids: list[int] = []
+        j = start
+        while len(ids) < length:
+            ids += tokenizer(prose[j % len(prose)] + " ", add_special_tokens=False)["input_ids"]
+            j += 1
+        out.append(ids[:length])
+    return out
+
+
+def measure(
+    cm: CompressedModel,
+    tokenizer,
+    recipes: list[str | Recipe],
+    budgets: list[float | int | str],
+    *,
+    context: int = 1024,
+    scored: int = 512,
+    windows: int = 4,
+    greedy_tokens: int = 64,
+    oracle: bool = True,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[dict]:
+    """One row per (recipe, budget) (plus ``oracle`` rows): the metrics in the module docstring."""
+    if context < 2 or scored < 1:
+        raise ValueError(f"need context >= 2 and scored >= 1 tokens, got {context}, {scored}")
+    recipes = [get_recipe(r) for r in recipes]
+    widest = max([r.build()[0].observation_window for r in recipes if r.scorer] + [0])
+    if scored < widest:  # the shared cache observes exactly the scored queries; recipes slice their window from it
+        raise ValueError(f"scored={scored} must be at least the widest observation window ({widest})")
+    probe_recipe = Recipe("oracle-probe", "oracle", scorer_args={"window": scored})
+    base_model = kvcompile.apply(cm, budget=1.0, recipe=probe_recipe)
+    cells = [(r, b) for r in recipes for b in budgets] + ([("oracle", b) for b in budgets] if oracle else [])
+    acc: dict[int, dict] = {i: {"parts": [], "mass": [], "err": [], "held": []} for i in range(len(cells))}
+    texts = prose_windows(tokenizer, windows, context + scored, seed)
+    bar = tqdm(total=len(texts) * len(cells), disable=not progress, desc="fidelity")
+    for w, ids in enumerate(texts):
+        ctx, cont = ids[:context], ids[context:]
+        base_model.reset()
+        base_model.prefill(ids_tensor(ctx[:-1], base_model.device), logits="last")
+        tail = ctx[-1:] + cont[:-1]
+        probe = base_model.fork()
+        full_logits = probe.prefill(ids_tensor(tail, probe.device), compress=False, logits="all")[0]
+        targets = torch.tensor(cont)
+        full_greedy = None
+        if w == 0 and greedy_tokens:
+            g = base_model.fork()
+            full_greedy = greedy(g, read_question(g, ctx[-1:]), greedy_tokens)
+        future = None
+        for i, (recipe, budget) in enumerate(cells):
+            if recipe == "oracle":
+                if future is None:
+                    future = future_attention(probe.cache, probe.programs.scales, probe.spec.windows, context - 1)
+                recipe = Recipe("oracle", "oracle", scorer_args={"scores": future})
+            kept = base_model.fork(recipe, budget)
+            kept._compress()
+            acc[i]["held"].append(kept.cache_stats()["bytes_held"])
+            mass, err = local_errors(probe, kept, context - 1)
+            acc[i]["mass"].append(mass)
+            acc[i]["err"].append(err)
+            if full_greedy is not None:
+                g = kept.fork()
+                ours = greedy(g, read_question(g, ctx[-1:]), greedy_tokens)
+                same = [a == b for a, b in zip(full_greedy, ours)]
+                acc[i]["greedy_agree"] = sum(same) / len(same)
+                acc[i]["greedy_first_diff"] = same.index(False) if False in same else len(same)
+            logits = kept.prefill(ids_tensor(tail, kept.device), compress=False, logits="all")[0]
+            acc[i]["parts"].append(next_token_metrics(full_logits, logits, targets))
+            bar.update(1)
+    bar.close()
+    rows = []
+    for i, (recipe, budget) in enumerate(cells):
+        a = acc[i]
+        mass, err = torch.stack(a["mass"]).mean(0), torch.stack(a["err"]).mean(0)
+        rows.append({
+            "recipe": recipe if isinstance(recipe, str) else recipe.tag,
+            "budget": str(kvcompile.Budget.parse(budget)),
+            **summarize(a["parts"]),
+            "greedy_agree": a.get("greedy_agree"),
+            "greedy_first_diff": a.get("greedy_first_diff"),
+            "dropped_mass": float(mass.mean()),
+            "attn_rel_err": float(err.mean()),
+            "bytes_held_mean": sum(a["held"]) / len(a["held"]),
+            "dropped_mass_layer_head": mass.tolist(),
+            "attn_rel_err_layer_head": err.tolist(),
+            "context_tokens": context,
+            "windows": len(texts),
+        })
+    return rows

@@ -1,0 +1,80 @@
+"""KVzip (https://arxiv.org/abs/2505.23416): keep what the model reads when asked to repeat the context."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Allocator, Observation, Scorer, protect, register_allocator, register_scorer
+
+
+@register_scorer("kvzip")
+@dataclass
+class KVzip(Scorer):
+    """Query-agnostic context-reconstruction score. After the context is prefilled, the runtime prefills
+    ``instruction_ids`` + the context again (``reconstruction_prompt``); a token's score is the largest attention
+    any of those reconstruction queries pays it, max over the GQA group (as in the paper and kvpress). The
+    reconstruction's own tokens are never kept (the runtime drops them), the first ``n_sink`` tokens always are.
+    Pair with the ``global-topk`` allocator (the paper's cross-layer, cross-head eviction). Costs one more
+    prefill of the context. ``window`` must hold the whole reconstruction prompt (its first query marks where
+    the reconstruction's tokens begin).
+
+    Inferred: (1) the paper's prompt is the tokenized "Repeat the previous context exactly." plus the chat
+    template's reply prefix; scorers have no tokenizer, so the instruction is ``instruction_ids`` (default: none,
+    the context alone). (2) The paper reconstructs in 2048-token chunks; here the whole prefilled prompt is one
+    chunk (with ``prefill_chunk``, each chunk is reconstructed when it is compressed and its queries also score
+    the tokens kept from earlier chunks)."""
+
+    instruction_ids: tuple[int, ...] = ()
+    n_sink: int = 4
+    window: int = 8192
+    block: int = 256
+
+    def __post_init__(self):
+        if self.window < 1 or self.block < 1 or self.n_sink < 0:
+            raise ValueError(f"need window, block >= 1 and n_sink >= 0; got {self.window}, {self.block}, {self.n_sink}")
+        if any(not isinstance(t, int) or t < 0 for t in self.instruction_ids):
+            raise ValueError(f"instruction_ids must be token ids (ints >= 0), got {self.instruction_ids!r}")
+        self.instruction_ids = tuple(self.instruction_ids)
+
+    @property
+    def observation_window(self) -> int:
+        return self.window
+
+    def reconstruction_prompt(self, input_ids, real):
+        B = input_ids.shape[0]
+        instruction = torch.tensor(self.instruction_ids, dtype=input_ids.dtype, device=input_ids.device)
+        instruction = instruction.expand(B, -1)
+        ones = torch.ones(instruction.shape, dtype=torch.bool, device=real.device)
+        return torch.cat([instruction, input_ids], 1), torch.cat([ones, real.bool()], 1)
+
+    def score_per_query_head(self, obs: Observation):
+        B, Hkv, S, _ = obs.keys.shape
+        best = torch.zeros(B, obs.queries.shape[1], S, device=obs.keys.device)
+        for queries in obs.query_blocks(self.block):
+            best = torch.maximum(best, obs.window_attention(queries).amax(2))
+        G = best.shape[1] // Hkv
+        first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
+        appended = (obs.positions >= first[:, None, None]).repeat_interleave(G, 1)
+        best = best.masked_fill(appended, float("-inf"))
+        return protect(best, (obs.positions < self.n_sink).repeat_interleave(G, 1))
+
+    def score(self, obs: Observation):
+        scores = self.score_per_query_head(obs)
+        B, Hq, S = scores.shape
+        return scores.reshape(B, obs.keys.shape[1], -1, S).amax(2)
+
+
+@register_allocator("global-topk")
+@dataclass
+class GlobalTopK(Allocator):
+    """One competition per sequence over every (layer, KV head, token): the top ``budget`` scores are kept, so
+    layers and heads hold different numbers of tokens (KVzip's default, ``layerwise=False`` in kvpress)."""
+
+    def allocate(self, scores, lengths, budget):
+        L, B, Hkv, S = scores.shape
+        flat = scores.permute(1, 0, 2, 3).reshape(B, -1)
+        rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        chosen = (rank < budget[:, None]) & (flat > float("-inf"))
+        return chosen.reshape(B, L, Hkv, S).sum(-1).permute(1, 0, 2).minimum(lengths.long())

@@ -1,0 +1,82 @@
+"""Union overhead ratio (UOR): what GQA pooling saves, per method.
+
+A KV head serves G query heads. Selecting per KV head stores k tokens; a per-query-head version of the same
+method would let each query head keep its own top k, and since they share one KV head the cache would have to
+store the union of those G selections. UOR = |union| / k, between 1 (the query heads agree) and G (they are
+disjoint). Scorers without a per-query-head form (``Scorer.score_per_query_head`` returns None: key- or
+value-only scores) have no UOR.
+
+Example::
+
+    rows = uor_table(cm, tok(text, return_tensors="pt").input_ids, budget=0.25, recipes=["tova", "h2o"])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Observation, Scorer
+
+
+def union_sizes(per_query_head: Tensor, valid: Tensor, k: Tensor) -> Tensor:
+    """Tokens [B, Hkv] the union of each query head's own top ``k`` [B, Hkv] covers, over each KV head's group.
+
+    per_query_head: [B, Hq, S] scores; valid: [B, Hkv, S] held tokens."""
+    B, Hq, S = per_query_head.shape
+    Hkv = valid.shape[1]
+    G = Hq // Hkv
+    scores = per_query_head.float().masked_fill(~valid.repeat_interleave(G, 1), float("-inf"))
+    rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    top = (rank < k.repeat_interleave(G, 1)[..., None]) & valid.repeat_interleave(G, 1)
+    return top.reshape(B, Hkv, G, S).any(2).sum(-1)
+
+
+def union_overhead(scorer: Scorer, obs: Observation, fraction: float, held: Tensor | None = None) -> Tensor | None:
+    """[B, Hkv] union sizes over k, where each head keeps k = round(fraction x tokens it holds); None when the
+    scorer has no per-query-head form. ``held`` [B, Hkv, S]: the tokens that compete (default ``obs.valid``)."""
+    scores = scorer.score_per_query_head(obs)
+    if scores is None:
+        return None
+    held = obs.valid if held is None else held
+    k = (fraction * held.sum(-1)).round().long().clamp_min(1)
+    return union_sizes(scores, held, k) / k
+
+
+def uor_table(model, input_ids: Tensor, budget: float = 0.25, recipes=None) -> list[dict]:
+    """One row per recipe: UOR of its scorer on ``model`` (a ``CompressedModel``) after prefilling ``input_ids``
+    [B, T], at a keep fraction of ``budget`` per head. The row gives the overall ratio (tokens over all layers and
+    heads), and the lowest and highest layer; ``uor`` is None for scorers without a per-query-head form."""
+    import kvcompile
+    from ..compress import observe
+    from ..recipes import get_recipe
+
+    names = recipes if recipes is not None else [n for n, r in kvcompile.recipes().items() if r.scorer]
+    rows = []
+    for name in names:
+        recipe = get_recipe(name)
+        cm = kvcompile.apply(model, 1.0, recipe)  # the recipe's observation window, nothing compressed
+        cm.prefill(input_ids, logits="last")
+        context = cm.seen
+        prompt = cm.scorer.reconstruction_prompt(input_ids, torch.ones_like(input_ids, dtype=torch.bool))
+        if prompt is not None:  # KVzip: its reconstruction queries, as compression would see them
+            cm._reconstruct(*prompt)
+        union, kept, per_layer = 0.0, 0.0, []
+        for layer in range(cm.spec.num_layers):
+            obs = observe(cm.cache, layer, cm.programs.scales[layer], cm.spec.windows[layer])
+            held = obs.valid & (obs.positions < context[:, None, None])  # the context, not a reconstruction
+            ratio = union_overhead(cm.scorer, obs, budget, held)
+            if ratio is None:
+                break
+            k = (budget * held.sum(-1)).round().clamp_min(1)
+            union, kept = union + float((ratio * k).sum()), kept + float(k.sum())
+            per_layer.append(float((ratio * k).sum() / k.sum()))
+        rows.append({
+            "recipe": recipe.tag,
+            "scorer": recipe.scorer,
+            "uor": union / kept if per_layer else None,
+            "uor_min_layer": min(per_layer) if per_layer else None,
+            "uor_max_layer": max(per_layer) if per_layer else None,
+            "group_size": cm.spec.num_q_heads // cm.spec.num_kv_heads,
+        })
+    return rows
