@@ -6,7 +6,8 @@ Layout (shape letters: L layers, B batch rows, Hkv KV heads, P page size, D head
     page_pos         : [N_pages, P] int32     original sequence position of each stored token
     page_table       : [L, B, Hkv, MAXP] int32  logical page i of head (l, b, h) -> physical page
     lengths          : [L, B, Hkv] int32      tokens head (l, b, h) holds
-    obs_q            : [L, B, Hq, W, D]       the last W queries of each layer (what window scorers read)
+    obs_q            : [L, B, Hq, W, D]       the last W queries of each layer, a ring: query at position p sits in
+                                              slot p mod W (what window scorers and decode policies read)
 
 Token j of head (l, b, h) sits at row j % P of page ``page_table[l, b, h, j // P]``; see
 ``kvcompile.kernels.reference`` for the loop that rebuilds dense keys from this. Page 0 is scratch: padding
