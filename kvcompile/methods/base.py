@@ -75,6 +75,15 @@ class Observation:
         attn = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
         return attn.reshape(B, Hq, W, S)
 
+    def received_attention(self, block: int, chunk: int = 0) -> Tensor:
+        """[B, Hq, S] attention each held key received, summed over every observed query, ``block`` queries at a
+        time (so no W x S tensor exists); ``chunk`` as in ``window_attention``."""
+        B, _, S, _ = self.keys.shape
+        total = torch.zeros(B, self.queries.shape[1], S, device=self.keys.device)
+        for queries in self.query_blocks(block):
+            total += self.window_attention(queries, chunk=chunk).sum(2)
+        return total
+
     def query_blocks(self, block: int) -> list[slice]:
         """Slices of at most ``block`` window slots that cover every real observed query, skipping empty blocks."""
         real = (self.query_positions >= 0).any(0)

@@ -41,11 +41,8 @@ class Compactor(Scorer):
 
     def _attention(self, obs: Observation):
         """[B, Hq, S] chunked non-causal attention each held key receives, times ||v||."""
-        B, Hkv, S, _ = obs.keys.shape
-        total = torch.zeros(B, obs.queries.shape[1], S, device=obs.keys.device)
-        for queries in obs.query_blocks(self.chunk):
-            total += obs.window_attention(queries, chunk=self.chunk).sum(2)
-        G = total.shape[1] // Hkv
+        total = obs.received_attention(self.chunk, chunk=self.chunk)
+        G = total.shape[1] // obs.keys.shape[1]
         return total * obs.values.float().norm(dim=-1).repeat_interleave(G, 1)
 
     def _blend(self, attention, obs: Observation):

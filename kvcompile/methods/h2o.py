@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .base import Observation, Scorer, merge_rankings, pool_groups, register_scorer
 
 
@@ -36,11 +34,7 @@ class H2O(Scorer):
 
     def cumulative_attention(self, obs: Observation):
         """[B, Hq, S] attention each held key received from every observed query, summed block by block."""
-        B, Hkv, S, _ = obs.keys.shape
-        total = torch.zeros(B, obs.queries.shape[1], S, device=obs.keys.device)
-        for queries in obs.query_blocks(self.block):
-            total += obs.window_attention(queries).sum(2)
-        return total
+        return obs.received_attention(self.block)
 
     def _split(self, heavy, obs: Observation):
         G = heavy.shape[1] // obs.keys.shape[1]
