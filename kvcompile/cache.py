@@ -176,6 +176,13 @@ class PagedKVCache(nn.Module):
             self.page_pos = torch.cat([self.page_pos, pos_pad])
         self._set_free(torch.arange(capacity - 1, n_used, -1, dtype=torch.int32, device=self.device))
 
+    def resize(self, capacity: int) -> None:
+        """Make the pool exactly ``capacity`` pages (scratch page included, at least the pages heads own): what a
+        decode-time cap sizes once so that the decode step's shapes never change afterwards."""
+        if capacity > self.k_pages.shape[0]:
+            self._grow(capacity - self.k_pages.shape[0])
+        self.trim(max(capacity - 1 - int(self.n_pages.sum()), 0))
+
     def _set_free(self, ids: Tensor) -> None:
         """Make ``ids`` the free stack (top = last); the stack tensor can hold every page of the pool."""
         self.free_pages = torch.zeros(self.k_pages.shape[0], dtype=torch.int32, device=self.device)

@@ -73,11 +73,6 @@ def kept_indices(kept: Tensor) -> Tensor:
     return torch.where(kept, idx, S).sort(-1).values[..., :K]
 
 
-def select(scores: Tensor, counts: Tensor) -> Tensor:
-    """Kept logical indices [..., K], ascending in their first ``counts`` entries: each head's top scores."""
-    return kept_indices(top_mask(scores, counts))
-
-
 def keep_pages(allocator: Allocator, scores: Tensor, lengths: Tensor, max_pages: Tensor, page_size: int, *stats):
     """Page-granular selection: [L, B, Hkv, S] bool keeping whole logical pages, at most ``max_pages`` [B] per
     sequence. A page scores the max of its tokens; a head's last page may be partial (it still costs a page)."""
@@ -113,6 +108,16 @@ def write_rows(cache: PagedKVCache, index: Tensor, where: Tensor, keys: Tensor, 
     cache.page_pos.view(-1).index_copy_(0, rows, positions.reshape(-1)[where].to(cache.page_pos.dtype))
 
 
+def compact_heads(cache: PagedKVCache, keep: Tensor, counts: Tensor) -> None:
+    """Move each head's first ``counts`` [L, B, Hkv] tokens of ``keep`` [L, B, Hkv, K] (ascending logical indices)
+    to the front of its pages (``ops.compact``); lengths and pages are the caller's to update."""
+    L, B, Hkv = counts.shape
+    ops.compact(
+        cache.k_pages, cache.v_pages, cache.page_pos,
+        cache.page_table.reshape(L * B, Hkv, -1), keep.reshape(L * B, Hkv, -1), counts.reshape(L * B, Hkv),
+    )
+
+
 def compress(
     cache: PagedKVCache,
     scorer: Scorer,
@@ -139,11 +144,7 @@ def compress(
         kept = top_mask(scores, real)
         if allocator.tail_summary:
             rows = summaries(cache, allocator, kept, scales, windows)
-    L, B, Hkv = counts.shape
-    ops.compact(
-        cache.k_pages, cache.v_pages, cache.page_pos,
-        cache.page_table.reshape(L * B, Hkv, -1), kept_indices(kept).reshape(L * B, Hkv, -1), real.reshape(L * B, Hkv),
-    )
+    compact_heads(cache, kept_indices(kept), real)
     if rows is not None:  # after compaction, so the row lands right after the kept tokens
         write_rows(cache, real, summary, *rows)
     cache.lengths = counts.to(torch.int32)

@@ -191,7 +191,9 @@ class CompressedModel(nn.Module):
         slots = self.cache.slots_for(real)
         self.cache.lengths += n_new.to(torch.int32)[None, :, None]
         W = self.cache.obs_window
-        if W:  # the ops keep their last W queries in a ring (``ops.ring_slots``); the positions follow them
+        if W and program is self.programs.decode:  # one real query per row: its slot in place, like the op
+            self.cache.obs_pos.scatter_(1, q_pos % W, q_pos)
+        elif W:  # the ops keep their last W queries in a ring (``ops.ring_slots``); the positions follow them
             self.cache.obs_pos = ops.ring_write(self.cache.obs_pos, ops.ring_slots(q_pos, W), q_pos, dim=1)
         with torch.no_grad():
             cache = [getattr(self.cache, name) for name in passes.CACHE_BUFFERS]

@@ -28,10 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from . import ops
 from .budget import Budget
 from .cache import PagedKVCache
-from .compress import observe, select
+from .compress import compact_heads, kept_indices, observe
 from .methods.decoding import POLICIES, DecodePolicy, LayerState
 
 RECENT, SINK, PROMPT, SCORED = 3, 2, 1, 0  # protection levels: a higher level is kept first
@@ -166,12 +165,8 @@ class DecodeCompressor:
         """Keep each head's ``counts`` [L, B, Hkv] best tokens: highest level first, then highest score."""
         order = scores.argsort(dim=-1, descending=True, stable=True)
         order = order.gather(-1, levels.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
-        keep = select(-order.argsort(-1).float(), counts)  # [L, B, Hkv, K] ascending logical indices
-        L, B, Hkv = counts.shape
-        ops.compact(
-            cache.k_pages, cache.v_pages, cache.page_pos,
-            cache.page_table.reshape(L * B, Hkv, -1), keep.reshape(L * B, Hkv, -1), counts.reshape(L * B, Hkv),
-        )
+        keep = kept_indices(order.argsort(-1) < counts[..., None])  # [L, B, Hkv, K] ascending logical indices
+        compact_heads(cache, keep, counts)
         cache.lengths = counts.to(torch.int32)
         cache.release_unused()
         S = scores.shape[-1]
@@ -187,9 +182,7 @@ class DecodeCompressor:
         ragged = self.policy.max_share > 1
         capacity = 1 + L * Hkv * int(pages.sum()) + (L * B * Hkv if ragged else 0)
         self._width = math.ceil(self.policy.max_share * int(ceiling.max()) / P)
-        if cache.k_pages.shape[0] < capacity:
-            cache._grow(capacity - cache.k_pages.shape[0])
-        cache.trim(max(capacity - 1 - int(cache.n_pages.sum()), 0))
+        cache.resize(capacity)
         _pad_page_table(cache, self._width)
 
 

@@ -8,10 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import (
-    Allocator, Observation, Scorer, attention_mass, cached_calibration, calibration_runner, register_allocator,
-    register_scorer, water_fill,
-)
+from .base import Allocator, Observation, Scorer, attention_mass, register_allocator, register_scorer, water_fill
+from .calibration import cached_calibration, calibration_runner
 
 
 @register_scorer("catekv")

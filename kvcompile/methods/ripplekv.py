@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from ..kernels import reference
-from .base import Allocator, cached_calibration, calibration_runner, register_allocator, water_fill
+from .base import Allocator, register_allocator, water_fill
+from .calibration import cached_calibration, calibration_runner
 
 
 @register_allocator("ripplekv")

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Allocator, cached_calibration, calibration_runner, register_allocator, water_fill
+from .base import Allocator, register_allocator, water_fill
+from .calibration import cached_calibration, calibration_runner
 
 
 @register_allocator("sgd-kv")

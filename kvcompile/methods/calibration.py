@@ -1,0 +1,41 @@
+"""Per-model calibration for methods that measure a model once (RippleKV, SGD-KV, CateKV): a runner over the
+model's programs and a disk cache keyed by the model's weights, the input and the parameters."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+
+def calibration_runner(model, window: int = 0):
+    """A full-budget ``CompressedModel`` over ``model``'s programs (nothing re-captured) whose cache observes the
+    last ``window`` prefill queries: what calibrated methods (RippleKV, SGD-KV, CateKV) measure a model with."""
+    from ..budget import Budget
+    from ..recipes import Recipe
+    from ..runtime import CompressedModel
+
+    recipe = Recipe("calibration", "snapkv", scorer_args={"window": window}) if window else Recipe("full", None)
+    return CompressedModel(model.programs, model.spec, recipe, Budget.parse(1.0), device=model.device)
+
+
+def cached_calibration(kind: str, model, token_ids: Tensor, params: dict, compute):
+    """``compute()`` (a JSON-able list) once per (model weights, ``token_ids``, ``params``), then read back from
+    ``$KVCOMPILE_CALIBRATION`` or ``~/.cache/kvcompile/calibration``: a model is measured once, not per run."""
+    if model.programs.captured is None:
+        raise ValueError("calibration needs a CompressedModel built by kvcompile.apply, not one loaded from an artifact")
+    weights = [t.double().sum() for t in model.programs.captured.state_dict().values()]
+    key = hashlib.sha256(repr((kind, model.spec, params, token_ids.tolist())).encode())
+    key.update(torch.stack(weights).cpu().numpy().tobytes())
+    root = Path(os.environ.get("KVCOMPILE_CALIBRATION") or Path.home() / ".cache" / "kvcompile" / "calibration")
+    path = root / f"{kind}-{key.hexdigest()[:24]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    result = compute()
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
