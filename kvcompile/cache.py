@@ -14,12 +14,15 @@ Token j of head (l, b, h) sits at row j % P of page ``page_table[l, b, h, j // P
 tokens are written there and never read, so writes keep static shapes and no head ever stores a pad.
 
 Pages are allocated ahead of use (``reserve``), so a decode step only computes row indices from lengths: O(heads),
-no allocation, no copy, static shapes. Compression compacts kept tokens to the front of each head's own pages and
+no allocation, no copy, static shapes. ``reserve`` also packs the pool (``pack``): each head's pages consecutive, so
+where a layer's heads are all equally long a decode step reads them as one view (``reference.heads_view``). Compression compacts kept tokens to the front of each head's own pages and
 returns the pages past the new length to the free stack; ``trim`` then shrinks the pool tensors themselves so the
 process really holds only what is in use. The page format (dtype here) is a property of the pool alone.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +50,7 @@ class PagedKVCache(nn.Module):
         self.head_dim, self.page_size, self.obs_window, self.dtype = head_dim, page_size, obs_window, dtype
         self.batch_size = 0
         self.n_free = 0  # host-side top of the free stack (allocation runs outside the decode step)
+        self._packed, self._packed_for = False, (lambda: None, -1)  # ``packed()``'s answer, and for which table
         dev = torch.device(device)
         L, Hkv, P, D = num_layers, num_kv_heads, page_size, head_dim
         self.register_buffer("k_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
@@ -121,7 +125,7 @@ class PagedKVCache(nn.Module):
         if max_pages > self.page_table.shape[-1]:
             pad = max_pages - self.page_table.shape[-1]
             self.page_table = nn.functional.pad(self.page_table, (0, pad))
-        ids = self.free_pages[self.n_free - total : self.n_free]
+        ids = self.free_pages[self.n_free - total : self.n_free].flip(0)  # ascending: a fresh pool comes out packed
         self.n_free -= total
         flat_need = need.flatten()
         head = torch.repeat_interleave(torch.arange(flat_need.numel(), device=self.device), flat_need)
@@ -129,6 +133,7 @@ class PagedKVCache(nn.Module):
         slot = self.n_pages.flatten()[head] + torch.arange(total, device=self.device) - first
         self.page_table.view(-1, self.page_table.shape[-1])[head, slot] = ids
         self.n_pages += need
+        self.pack()
 
     def release_unused(self) -> None:
         """Return every page past each head's length to the free stack."""
@@ -157,24 +162,48 @@ class PagedKVCache(nn.Module):
 
     def trim(self, spare_pages: int = 0) -> None:
         """Shrink the pool to the pages heads own plus ``spare_pages``, renumbering pages. Frees real memory."""
-        idx = torch.arange(self.page_table.shape[-1], device=self.device)
-        owned = idx < self.n_pages[..., None]
-        old_ids = self.page_table[owned].long()
-        n_used = old_ids.numel()
-        capacity = 1 + n_used + spare_pages
-        if capacity >= self.k_pages.shape[0]:
-            return
-        keep = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), old_ids])
-        self.k_pages, self.v_pages, self.page_pos = self.k_pages[keep], self.v_pages[keep], self.page_pos[keep]
-        new_ids = torch.arange(1, n_used + 1, dtype=torch.int32, device=self.device)
+        capacity = 1 + int(self.n_pages.sum()) + spare_pages
+        if capacity < self.k_pages.shape[0]:
+            self._renumber(capacity)
+
+    def pack(self) -> None:
+        """Renumber pages so that each head's pages are consecutive, heads in (layer, row, head) order, keeping the
+        pool's size. When every head of a layer owns as many pages as the page table is wide, a decode step then
+        reads the layer's keys as one view of the pool instead of gathering them (``reference.heads_view``).
+        One copy of the owned pages (``reserve`` calls it, so once per reservation, not per step); free when packed."""
+        owned = torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
+        ids = self.page_table[owned]
+        if not torch.equal(ids, torch.arange(1, ids.numel() + 1, dtype=ids.dtype, device=self.device)):
+            self._renumber(self.k_pages.shape[0])
+
+    def packed(self) -> bool:
+        """True when the page table is the run 1, 2, 3, ... : heads packed (``pack``) and every head owning as many
+        pages as the table is wide (heads of a layer equally long, as at full budget or under a uniform
+        allocator). Layer l's heads then hold pool pages ``1 + l*n ... (l+1)*n`` (n = B*Hkv*width), which is what a
+        ``packed`` decode program reads in place. Checked once per page-table change, not per step."""
+        table = self.page_table
+        if self._packed_for[0]() is not table or self._packed_for[1] != table._version:
+            n = table.numel()
+            run = torch.arange(1, n + 1, dtype=table.dtype, device=table.device)
+            self._packed = n < self.k_pages.shape[0] and torch.equal(table.reshape(-1), run)
+            self._packed_for = (weakref.ref(table), table._version)
+        return self._packed
+
+    def _renumber(self, capacity: int) -> None:
+        """Make the pool ``capacity`` pages with the owned pages at 1, 2, ... in (layer, row, head, page) order."""
+        owned = torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
+        old = self.page_table[owned].long()
+        n = old.numel()
+        for name in ("k_pages", "v_pages", "page_pos"):
+            pool = getattr(self, name)
+            moved = pool[old]  # a copy: pages the move overwrites are read first
+            if capacity != pool.shape[0]:  # new storage, so the old pool's memory is released
+                pool = torch.cat([pool[:1], pool.new_zeros(capacity - 1, *pool.shape[1:])])
+            pool[1 : n + 1] = moved
+            setattr(self, name, pool)
+        new_ids = torch.arange(1, n + 1, dtype=torch.int32, device=self.device)
         self.page_table = torch.zeros_like(self.page_table).masked_scatter_(owned, new_ids)
-        if spare_pages:
-            pad = torch.zeros(spare_pages, *self.k_pages.shape[1:], dtype=self.dtype, device=self.device)
-            self.k_pages = torch.cat([self.k_pages, pad])
-            self.v_pages = torch.cat([self.v_pages, torch.zeros_like(pad)])
-            pos_pad = torch.zeros(spare_pages, self.page_size, dtype=torch.int32, device=self.device)
-            self.page_pos = torch.cat([self.page_pos, pos_pad])
-        self._set_free(torch.arange(capacity - 1, n_used, -1, dtype=torch.int32, device=self.device))
+        self._set_free(torch.arange(capacity - 1, n, -1, dtype=torch.int32, device=self.device))
 
     def resize(self, capacity: int) -> None:
         """Make the pool exactly ``capacity`` pages (scratch page included, at least the pages heads own): what a

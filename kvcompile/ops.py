@@ -5,7 +5,9 @@ into the pages the cache reserved for them, remember the last W queries in the r
 scorers and decode-time policies read; see ``ring_slots``), and attend from the new queries over every token the
 layer's KV heads hold (causal by original position, optionally sliding-window).
 ``prefill_attention`` and ``decode_attention`` share that contract; they differ in the kernel a backend picks
-(decode is one query per row, the case the paged decode kernel is built for). ``compact`` moves the kept tokens
+(decode is one query per row, the case the paged decode kernel is built for). ``packed=True`` promises the cache is
+``PagedKVCache.packed`` (the runtime checks before it runs such a program), so the reference reads each layer's
+pages as one slice of the pool instead of gathering them. ``compact`` moves the kept tokens
 of every head to the front of its own pages.
 
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
@@ -73,13 +75,18 @@ def _on_gpu(t: Tensor) -> bool:
     return t.is_cuda and importlib.util.find_spec("triton") is not None
 
 
-def _attend(q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window, decode):
+def _attend(
+    q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window, packed, decode
+):
     reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
     _observe(obs_q, layer, q, q_pos, decode)
-    attend = reference.paged_attention
-    if decode and _on_gpu(q):
-        from .kernels.triton_decode import paged_decode as attend
-    return attend(q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window).contiguous()
+    args = (q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window)
+    if decode and _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not
+        from .kernels.triton_decode import paged_decode
+
+        return paged_decode(*args)
+    first_page = 1 + layer * page_table[layer].numel() if packed else None  # PagedKVCache.packed's layout
+    return reference.paged_attention(*args, first_page=first_page).contiguous()
 
 
 def _attention_op(name: str, doc: str, decode: bool):
@@ -96,10 +103,11 @@ def _attention_op(name: str, doc: str, decode: bool):
     def op(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
-        layer: int, scale: float, window: int,
+        layer: int, scale: float, window: int, packed: bool = False,
     ) -> Tensor:
         return _attend(
-            q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window, decode
+            q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window,
+            packed, decode,
         )
 
     if not decode:  # a triton_op's own body is its fake kernel

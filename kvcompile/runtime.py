@@ -32,7 +32,9 @@ class Programs:
     ``prefill`` / ``prefill_last`` / ``decode``: ``(input_ids, position_ids, q_pos, slots, *cache tensors) ->
     logits`` (eager FX graphs, their compiled versions, or loaded AOTInductor packages); ``prefill_last`` returns
     only the last position's logits (what generation needs); ``scales``: the softmax scale per layer;
-    ``captured``: the captured model graph, kept so a new recipe or budget needs no new capture.
+    ``captured``: the captured model graph, kept so a new recipe or budget needs no new capture;
+    ``decode_packed``: the decode program for a packed cache (``PagedKVCache.packed``), which reads each layer's
+    pages in place instead of gathering them (None: ``decode`` serves every layout).
     """
 
     prefill: Callable
@@ -40,6 +42,7 @@ class Programs:
     decode: Callable
     scales: list[float]
     captured: fx.GraphModule | None = None
+    decode_packed: Callable | None = None
 
     NAMES = ("prefill", "prefill_last", "decode")
 
@@ -48,6 +51,7 @@ class Programs:
         prefill = passes.rewrite(captured, spec, decode=False)
         prefill_last = passes.rewrite(captured, spec, decode=False, last_logits=True)
         decode = passes.rewrite(captured, spec, decode=True)
+        decode_packed = passes.rewrite(captured, spec, decode=True, packed=True)
         scales = [0.0] * spec.num_layers
         for node in prefill.graph.nodes:
             if "kvc.layer" in node.meta:
@@ -60,8 +64,9 @@ class Programs:
             # static shapes: lengths change values, not shapes, so decode compiles once; CUDA graphs on CUDA
             # (mode="reduce-overhead", not yet run on a GPU)
             mode = "reduce-overhead" if cuda and backend == "inductor" else None
-            decode = torch.compile(decode, backend=backend, fullgraph=True, dynamic=False, mode=mode)
-        return cls(prefill, prefill_last, decode, scales, captured)
+            decode, decode_packed = (torch.compile(p, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+                                     for p in (decode, decode_packed))  # compiled on first use
+        return cls(prefill, prefill_last, decode, scales, captured, decode_packed)
 
 
 class CompressedModel(nn.Module):
@@ -190,11 +195,13 @@ class CompressedModel(nn.Module):
         q_pos = pos.masked_fill(~real, -1)
         slots = self.cache.slots_for(real)
         self.cache.lengths += n_new.to(torch.int32)[None, :, None]
-        W = self.cache.obs_window
-        if W and program is self.programs.decode:  # one real query per row: its slot in place, like the op
+        W, decode = self.cache.obs_window, program is self.programs.decode
+        if W and decode:  # one real query per row: its slot in place, like the op
             self.cache.obs_pos.scatter_(1, q_pos % W, q_pos)
         elif W:  # the ops keep their last W queries in a ring (``ops.ring_slots``); the positions follow them
             self.cache.obs_pos = ops.ring_write(self.cache.obs_pos, ops.ring_slots(q_pos, W), q_pos, dim=1)
+        if decode and self.programs.decode_packed is not None and self.cache.packed():
+            program = self.programs.decode_packed  # reads each layer's pages in place: no gather
         with torch.no_grad():
             cache = [getattr(self.cache, name) for name in passes.CACHE_BUFFERS]
             logits = program(input_ids.to(self.device).contiguous(), pos.clamp_min(0), q_pos, slots, *cache)

@@ -28,6 +28,22 @@ def test_compiled_decode_compiles_once_and_matches_eager(llama_cm):
     assert len(set(compiled.cache.lengths.flatten().tolist())) > 1, "per-head lengths differ while decoding"
 
 
+def test_compiled_packed_decode_compiles_once_and_matches_eager(llama_cm):
+    """Snapkv keeps every head equally long: the cache stays packed and the packed decode program runs."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4, compile=counter)
+    eager = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4)
+    ids = torch.randint(2, 90, (2, 40), generator=torch.Generator().manual_seed(1))
+    a, b = compiled.prefill(ids), eager.prefill(ids)
+    for step in range(24):
+        token = b[:, -1].argmax(-1, keepdim=True)
+        a, b = compiled.decode(token), eager.decode(token)
+        assert compiled.cache.packed(), f"decode step {step}: the cache is packed"
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"decode step {step}: {m}")
+    assert counter.frame_count == 2, "one prefill and one (packed) decode compilation, no recompiles"
+
+
 def test_compile_traces_into_the_decode_op(llama_cm):
     """decode_attention is a triton_op: AOT tracing decomposes it into the ops of its body (the Triton kernel on
     CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node."""

@@ -10,17 +10,21 @@ from kvcompile.cache import PagedKVCache
 from kvcompile.kernels import reference
 
 
-def filled_cache(lengths, P=4, D=8, Hq=4, seed=None):
-    """A cache for one layer whose heads (1 row) hold ``lengths`` random tokens on shuffled pages."""
+def filled_cache(lengths, P=4, D=8, Hq=4, seed=None, shuffle=True):
+    """A cache for one layer whose heads (1 row) hold ``lengths`` random tokens on shuffled pages (or packed ones,
+    as ``reserve`` leaves them)."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     Hkv = len(lengths)
     cache = PagedKVCache(1, Hkv, Hq, D, page_size=P)
     cache.setup(1)
     n = max(lengths)
     cache.reserve(n)
-    perm = torch.randperm(cache.k_pages.shape[0] - 1, generator=g) + 1  # shuffle physical pages
-    owned = cache.page_table > 0
-    cache.page_table[owned] = perm[: int(owned.sum())].int()
+    if shuffle:
+        owned = cache.page_table > 0
+        ids = torch.randperm(cache.k_pages.shape[0] - 1, generator=g)[: int(owned.sum())] + 1  # shuffled pages
+        if bool((ids.diff() == 1).all()):
+            ids = ids.flip(0)  # never one run of consecutive pages: that is the packed layout
+        cache.page_table[owned] = ids.int()
     k = torch.randn(1, Hkv, n, D, generator=g)
     v = torch.randn(1, Hkv, n, D, generator=g)
     real = torch.ones(1, n, dtype=torch.bool)
@@ -30,17 +34,24 @@ def filled_cache(lengths, P=4, D=8, Hq=4, seed=None):
     return cache, k, v
 
 
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "packed"])
 @pytest.mark.parametrize("lengths", [[5, 1, 9], [4, 8], [13]])
-def test_paged_attention_matches_dense_masked_sdpa(lengths):
-    cache, k, v = filled_cache(lengths, Hq=2 * len(lengths))
+def test_paged_attention_matches_dense_masked_sdpa(lengths, shuffle):
+    cache, k, v = filled_cache(lengths, Hq=2 * len(lengths), shuffle=shuffle)
+    assert cache.packed() == (not shuffle)
+    first_page = None if shuffle else 1
+    k_pages = cache.k_pages.clone()
+    view = reference.heads_view(cache.k_pages, cache.page_table[0], first_page)
+    assert (view.data_ptr() == cache.k_pages[1].data_ptr()) == (not shuffle), "packed heads are read without a copy"
     q = torch.randn(1, 2 * len(lengths), 1, 8)
     qp = torch.full((1, 1), 50)
     out = reference.paged_attention(q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0],
-                                    cache.lengths[0], 0.3)
+                                    cache.lengths[0], 0.3, first_page=first_page)
     for h, n in enumerate(lengths):
         for g in range(2):
             expect = torch.softmax(q[0, 2 * h + g, 0] @ k[0, h, :n].T * 0.3, -1) @ v[0, h, :n]
             torch.testing.assert_close(out[0, 2 * h + g, 0], expect, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache.k_pages, k_pages), "reading leaves the pool as it was"
 
 
 def test_compact_moves_kept_rows_only():
@@ -57,19 +68,40 @@ def test_compact_moves_kept_rows_only():
     assert torch.equal(cache.k_pages[0], before[0]), "the scratch page is nobody's"
 
 
-def _attention_args(T):
-    cache, k, v = filled_cache([6, 3])
+def _attention_args(T, packed=False):
+    cache, k, v = filled_cache([6, 3], shuffle=not packed)
+    assert cache.packed() == packed
     q = torch.randn(1, 4, T, 8)
     kn, vn = torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
     qp = torch.arange(6, 6 + T)[None]
     slots = torch.zeros(1, 1, 2, T, dtype=torch.long)
     return (q, kn, vn, qp, slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table, cache.lengths,
-            torch.zeros(1, 1, 4, 2, 8), 0, 0.35, 0)
+            torch.zeros(1, 1, 4, 2, 8), 0, 0.35, 0, packed)
 
 
-@pytest.mark.parametrize("op, T", [("prefill_attention", 3), ("decode_attention", 1)])
-def test_opcheck_attention(op, T):
-    torch.library.opcheck(getattr(torch.ops.kvcompile, op).default, _attention_args(T))
+@pytest.mark.parametrize("op, T, packed", [("prefill_attention", 3, False), ("decode_attention", 1, False),
+                                           ("decode_attention", 1, True)])
+def test_opcheck_attention(op, T, packed):
+    torch.library.opcheck(getattr(torch.ops.kvcompile, op).default, _attention_args(T, packed))
+
+
+def test_packed_decode_matches_gathering_decode():
+    """The packed op reads the layer's pages as one slice of the pool; it answers what the gathering op answers."""
+    args = _attention_args(1, packed=True)
+    gathered = torch.ops.kvcompile.decode_attention(*[a.clone() if torch.is_tensor(a) else a for a in args[:-1]])
+    torch.testing.assert_close(torch.ops.kvcompile.decode_attention(*args), gathered)
+
+
+def test_packed_follows_every_page_table_change():
+    cache, _, _ = filled_cache([6, 3], shuffle=False)
+    assert cache.packed(), "equal heads after reserve: the run 1, 2, 3, ..."
+    cache.page_table[0, 0, 0] = cache.page_table[0, 0, 0].flip(0)  # in place: two pages swapped
+    assert not cache.packed()
+    cache.pack()
+    assert cache.packed()
+    cache.lengths[0, 0] = torch.tensor([6, 3], dtype=torch.int32)
+    cache.release_unused()  # the short head gives a page back: heads no longer equally long
+    assert not cache.packed()
 
 
 def test_opcheck_compact():
@@ -96,3 +128,28 @@ def test_reserve_release_and_trim_return_memory():
     for layer in range(2):
         for a, b in zip(keys_before[layer], cache.dense(layer)):
             assert torch.equal(a, b), "trim renumbers pages without changing what heads hold"
+
+
+def test_reserve_packs_heads_without_changing_them():
+    cache = PagedKVCache(2, 2, 2, 8, page_size=4)
+    cache.setup(2)
+    cache.reserve(torch.tensor([6, 3]))
+    n = 6
+    k = torch.randn(2, 2, n, 8)
+    slots = cache.slots_for(torch.tensor([[True] * 6, [True] * 3 + [False] * 3]))
+    for layer in range(2):
+        reference.write_tokens(cache.k_pages, cache.v_pages, cache.page_pos, k, k, torch.arange(n).expand(2, n),
+                               slots[layer])
+    cache.lengths[:] = torch.tensor([[6, 6], [3, 3]], dtype=torch.int32)
+    cache.release_unused()
+    before = [cache.dense(layer) for layer in range(2)]
+    cache.reserve(5)  # rows grow unevenly from the free stack; reserve packs them again
+    owned = torch.arange(cache.page_table.shape[-1]) < cache.n_pages[..., None]
+    assert cache.page_table[owned].tolist() == list(range(1, int(owned.sum()) + 1)), "pages consecutive, in order"
+    cache.pack()  # already packed: nothing moves
+    for layer in range(2):
+        valid = before[layer][3]
+        for a, b in zip(before[layer], cache.dense(layer)):
+            assert torch.equal(a[valid], b[:, :, : a.shape[2]][valid]), "the same tokens, on a wider page table"
+        torch.testing.assert_close(before[layer][0][0, :, :6], k[0])
+        torch.testing.assert_close(before[layer][0][1, :, :3], k[1, :, :3])

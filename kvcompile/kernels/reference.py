@@ -35,14 +35,25 @@ def gather_pages(pool: Tensor, page_table: Tensor) -> Tensor:
     return rows.view(B, Hkv, -1, *pool.shape[2:])
 
 
-def gather_dense(k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor):
+def heads_view(pool: Tensor, page_table: Tensor, first_page: int | None = None) -> Tensor:
+    """``gather_pages``, without the copy when the heads' pages are the packed run ``first_page``,
+    ``first_page + 1``, ... (``PagedKVCache.packed``): they are then one slice of the pool. Read-only result."""
+    if first_page is None:
+        return gather_pages(pool, page_table)
+    return pool[first_page : first_page + page_table.numel()].view(*page_table.shape[:2], -1, *pool.shape[2:])
+
+
+def gather_dense(
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor,
+    first_page: int | None = None,
+):
     """Dense per-head views of the cache: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S].
 
     Whole pages are gathered, so S = MAXP * P (the page table's width): shapes depend on shapes only (no host
-    sync), and rows past a head's length are marked invalid.
+    sync), and rows past a head's length are marked invalid. ``first_page``: see ``heads_view``.
     """
-    keys, values = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
-    positions = gather_pages(page_pos, page_table).long()
+    keys, values = heads_view(k_pages, page_table, first_page), heads_view(v_pages, page_table, first_page)
+    positions = heads_view(page_pos, page_table, first_page).long()
     valid = torch.arange(keys.shape[2], device=keys.device) < lengths.unsqueeze(-1)
     return keys, values, positions, valid
 
@@ -58,6 +69,7 @@ def paged_attention(
     scale: float,
     window: int = 0,
     block_bytes: int = 1 << 26,
+    first_page: int | None = None,
 ) -> Tensor:
     """Attention of new queries over the keys each KV head holds.
 
@@ -65,14 +77,15 @@ def paged_attention(
     position is not after its own (causal) and, if ``window > 0``, is less than ``window`` positions behind.
     Hq must be a multiple of Hkv (GQA: query head i reads KV head i // (Hq // Hkv)). Returns [B, Hq, T, D]; a
     query that sees no key (a padding row, an empty head) gets zeros. A single query (T == 1) is a decode step:
-    the newest token, so without a window no position check is needed.
+    the newest token, so without a window no position check is needed. ``first_page``: the heads' pages are the
+    packed run starting there (``PagedKVCache.packed``), read in place instead of gathered.
     """
     B, Hq, T, D = q.shape
     if T == 1 and window == 0:  # decode of the newest token: every held key is at or before it
-        keys, values = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
+        keys, values = heads_view(k_pages, page_table, first_page), heads_view(v_pages, page_table, first_page)
         visible = torch.arange(keys.shape[2], device=q.device) < lengths.unsqueeze(-1)
     else:
-        keys, values, k_pos, valid = gather_dense(k_pages, v_pages, page_pos, page_table, lengths)
+        keys, values, k_pos, valid = gather_dense(k_pages, v_pages, page_pos, page_table, lengths, first_page)
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     Hkv, S = keys.shape[1], keys.shape[2]
     G = Hq // Hkv

@@ -16,16 +16,20 @@ from .last_logits import KeepLastLogits
 from .sdpa import UnsupportedGraph
 
 
-def rewrite(captured: fx.GraphModule, spec: ModelSpec, *, decode: bool, last_logits: bool = False) -> fx.GraphModule:
-    """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or the decode program).
+def rewrite(
+    captured: fx.GraphModule, spec: ModelSpec, *, decode: bool, last_logits: bool = False, packed: bool = False
+) -> fx.GraphModule:
+    """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or a decode program).
 
     The program is ``forward(input_ids, position_ids, kvc_q_pos, kvc_slots, *cache tensors) -> logits`` with the
-    cache tensors in the order of ``CACHE_BUFFERS``; with ``last_logits`` the logits are [B, 1, V].
+    cache tensors in the order of ``CACHE_BUFFERS``; with ``last_logits`` the logits are [B, 1, V]; with ``packed``
+    it may only run on a packed cache (``PagedKVCache.packed``), which it reads without gathering.
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(captured.graph, {}))
     gm = fx.GraphModule(captured, graph)
-    order = [InsertPagedAttention(spec, decode=decode)] + [KeepLastLogits()] * last_logits + [DropDeadMaskCode()]
+    paged = InsertPagedAttention(spec, decode=decode, packed=packed)
+    order = [paged] + [KeepLastLogits()] * last_logits + [DropDeadMaskCode()]
     return PassManager(order)(gm)
 
 

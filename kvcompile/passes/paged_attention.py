@@ -22,10 +22,11 @@ class InsertPagedAttention(GraphPass):
     Keys and values are taken before ``repeat_kv``, so the op sees one head per KV head. The model's own
     attention mask is dropped: the op rebuilds causal, padding and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
     is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
+    ``packed``: the ops may assume a packed cache (``PagedKVCache.packed``) and read it without gathering.
     """
 
-    def __init__(self, spec: ModelSpec, decode: bool):
-        self.spec, self.decode = spec, decode
+    def __init__(self, spec: ModelSpec, decode: bool, packed: bool = False):
+        self.spec, self.decode, self.packed = spec, decode, packed
 
     def __call__(self, gm: fx.GraphModule) -> None:
         graph, spec = gm.graph, self.spec
@@ -59,11 +60,11 @@ class InsertPagedAttention(GraphPass):
                     f"(node: {node.format_node()})"
                 )
             scale = call.scale if call.scale is not None else spec.head_dim**-0.5
+            kwargs = {"layer": layer, "scale": float(scale), "window": spec.windows[layer]}
+            if self.packed:
+                kwargs["packed"] = True
             with graph.inserting_before(node):
-                new = graph.call_function(
-                    op, (call.query, k, v, q_pos, slots, *buffers),
-                    {"layer": layer, "scale": float(scale), "window": spec.windows[layer]},
-                )
+                new = graph.call_function(op, (call.query, k, v, q_pos, slots, *buffers), kwargs)
             new.meta = dict(node.meta)
             new.meta["kvc.layer"] = layer
             node.replace_all_uses_with(new)
