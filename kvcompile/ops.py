@@ -5,9 +5,9 @@ into the pages the cache reserved for them, remember the last W queries in the r
 scorers and decode-time policies read; see ``ring_slots``), and attend from the new queries over every token the
 layer's KV heads hold (causal by original position, optionally sliding-window).
 ``prefill_attention`` and ``decode_attention`` share that contract; they differ in the kernel a backend picks
-(decode is one query per row, the case the paged decode kernel is built for). ``packed=True`` promises the cache is
-``PagedKVCache.packed`` (the runtime checks before it runs such a program), so the reference reads each layer's
-pages as one slice of the pool instead of gathering them. ``compact`` moves the kept tokens
+(decode is one query per row, the case the paged decode kernel is built for). ``decode_attention_packed`` may
+assume a packed cache (``PagedKVCache.packed``; the runtime checks before it runs a program that calls it), so
+the reference reads each layer's pages as one slice of the pool instead of gathering them. ``compact`` moves the kept tokens
 of every head to the front of its own pages.
 
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
@@ -89,28 +89,30 @@ def _attend(
     return reference.paged_attention(*args, first_page=first_page).contiguous()
 
 
-def _attention_op(name: str, doc: str, decode: bool):
+def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     """Register one attention op; prefill and decode share the contract (and the CPU path), not the kernel.
 
     Decode is a ``triton_op``: ``torch.compile`` traces into it, so Inductor sees the Triton kernel itself on CUDA
     (and the reference ops on CPU) instead of an opaque call, and the step can be captured whole in a CUDA graph.
     Prefill stays an opaque ``custom_op``: its reference picks a path from tensor values (a plain causal first
-    prefill, shared masks), which tracing would turn into guards.
+    prefill, shared masks), which tracing would turn into guards. The packed decode is opaque too: traced, its
+    slice of a pool the same step writes makes Inductor clone the whole pool (and copy it back) every step.
     """
-    register = torch.library.triton_op if decode else torch.library.custom_op
+    traced = decode and not packed
+    register = torch.library.triton_op if traced else torch.library.custom_op
 
     @register(f"kvcompile::{name}", mutates_args=_MUTATED)
     def op(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
-        layer: int, scale: float, window: int, packed: bool = False,
+        layer: int, scale: float, window: int,
     ) -> Tensor:
         return _attend(
             q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window,
             packed, decode,
         )
 
-    if not decode:  # a triton_op's own body is its fake kernel
+    if not traced:  # a triton_op's own body is its fake kernel
 
         @op.register_fake
         def _fake(q, *args, **kwargs):
@@ -127,6 +129,11 @@ prefill_attention = _attention_op(
 decode_attention = _attention_op(
     "decode_attention", "Append one token per row and attend over each KV head's ragged pages -> [B, Hq, 1, D].",
     decode=True,
+)
+decode_attention_packed = _attention_op(
+    "decode_attention_packed",
+    "``decode_attention`` over a packed cache (``PagedKVCache.packed``): each layer's pages read in place as one slice.",
+    decode=True, packed=True,
 )
 
 

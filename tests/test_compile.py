@@ -46,7 +46,8 @@ def test_compiled_packed_decode_compiles_once_and_matches_eager(llama_cm):
 
 def test_compile_traces_into_the_decode_op(llama_cm):
     """decode_attention is a triton_op: AOT tracing decomposes it into the ops of its body (the Triton kernel on
-    CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node."""
+    CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node (as
+    does decode_attention_packed, see test_compiled_packed_decode_compiles_once_and_matches_eager)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -58,9 +59,10 @@ def test_compile_traces_into_the_decode_op(llama_cm):
         graphs.append({str(n.args[0] if "auto_functionalized" in str(n.target) else n.target) for n in calls})
         return make_boxed_func(gm.forward)
 
-    cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", compile=aot_autograd(fw_compiler=record))
-    logits = cm.prefill(torch.randint(2, 90, (1, 12)))
+    cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", page_size=4, compile=aot_autograd(fw_compiler=record))
+    logits = cm.prefill(*left_padded_batch([12, 5], total=12))
     cm.decode(logits[:, -1].argmax(-1, keepdim=True))
+    assert not cm.cache.packed(), "rows of different lengths: the generic decode program ran"
     prefill, decode = graphs
     assert any("prefill_attention" in t for t in prefill)
     assert not any("decode_attention" in t for t in decode)

@@ -76,20 +76,19 @@ def _attention_args(T, packed=False):
     qp = torch.arange(6, 6 + T)[None]
     slots = torch.zeros(1, 1, 2, T, dtype=torch.long)
     return (q, kn, vn, qp, slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table, cache.lengths,
-            torch.zeros(1, 1, 4, 2, 8), 0, 0.35, 0, packed)
+            torch.zeros(1, 1, 4, 2, 8), 0, 0.35, 0)
 
 
-@pytest.mark.parametrize("op, T, packed", [("prefill_attention", 3, False), ("decode_attention", 1, False),
-                                           ("decode_attention", 1, True)])
-def test_opcheck_attention(op, T, packed):
-    torch.library.opcheck(getattr(torch.ops.kvcompile, op).default, _attention_args(T, packed))
+@pytest.mark.parametrize("op, T", [("prefill_attention", 3), ("decode_attention", 1), ("decode_attention_packed", 1)])
+def test_opcheck_attention(op, T):
+    torch.library.opcheck(getattr(torch.ops.kvcompile, op).default, _attention_args(T, packed=op.endswith("packed")))
 
 
 def test_packed_decode_matches_gathering_decode():
     """The packed op reads the layer's pages as one slice of the pool; it answers what the gathering op answers."""
     args = _attention_args(1, packed=True)
-    gathered = torch.ops.kvcompile.decode_attention(*[a.clone() if torch.is_tensor(a) else a for a in args[:-1]])
-    torch.testing.assert_close(torch.ops.kvcompile.decode_attention(*args), gathered)
+    gathered = torch.ops.kvcompile.decode_attention(*[a.clone() if torch.is_tensor(a) else a for a in args])
+    torch.testing.assert_close(torch.ops.kvcompile.decode_attention_packed(*args), gathered)
 
 
 def test_packed_follows_every_page_table_change():

@@ -22,7 +22,8 @@ class InsertPagedAttention(GraphPass):
     Keys and values are taken before ``repeat_kv``, so the op sees one head per KV head. The model's own
     attention mask is dropped: the op rebuilds causal, padding and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
     is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
-    ``packed``: the ops may assume a packed cache (``PagedKVCache.packed``) and read it without gathering.
+    ``packed`` (decode only): call ``decode_attention_packed``, which assumes a packed cache
+    (``PagedKVCache.packed``) and reads it without gathering.
     """
 
     def __init__(self, spec: ModelSpec, decode: bool, packed: bool = False):
@@ -48,7 +49,9 @@ class InsertPagedAttention(GraphPass):
             slots = graph.placeholder("kvc_slots")
         with graph.inserting_after(last_input):
             q_pos = graph.placeholder("kvc_q_pos")
-        op = (torch.ops.kvcompile.decode_attention if self.decode else torch.ops.kvcompile.prefill_attention).default
+        ops = torch.ops.kvcompile
+        op = (ops.decode_attention_packed if self.packed else ops.decode_attention) if self.decode else ops.prefill_attention
+        op = op.default
         for layer, node in enumerate(nodes):
             call = sdpa_args(node)
             self._check_semantics(node, call)
@@ -60,11 +63,11 @@ class InsertPagedAttention(GraphPass):
                     f"(node: {node.format_node()})"
                 )
             scale = call.scale if call.scale is not None else spec.head_dim**-0.5
-            kwargs = {"layer": layer, "scale": float(scale), "window": spec.windows[layer]}
-            if self.packed:
-                kwargs["packed"] = True
             with graph.inserting_before(node):
-                new = graph.call_function(op, (call.query, k, v, q_pos, slots, *buffers), kwargs)
+                new = graph.call_function(
+                    op, (call.query, k, v, q_pos, slots, *buffers),
+                    {"layer": layer, "scale": float(scale), "window": spec.windows[layer]},
+                )
             new.meta = dict(node.meta)
             new.meta["kvc.layer"] = layer
             node.replace_all_uses_with(new)
