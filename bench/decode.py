@@ -60,14 +60,14 @@ def kv_decode(cm, token, steps):
 
 def snapshot(cm):
     state = {name: buf.clone() for name, buf in cm.cache.named_buffers()}
-    return state, cm.cache.n_free, cm.seen.clone(), cm.context_tokens.clone()
+    return state, cm.seen.clone(), cm.context_tokens.clone()
 
 
 def restore(cm, snap):
-    state, n_free, seen, context = snap
+    state, seen, context = snap
     for name, buf in state.items():
         setattr(cm.cache, name, buf.clone())
-    cm.cache.n_free, cm.seen, cm.context_tokens, cm._room = n_free, seen.clone(), context.clone(), 0
+    cm.seen, cm.context_tokens, cm._room = seen.clone(), context.clone(), 0
 
 
 def run(args):

@@ -14,10 +14,11 @@ Token j of head (l, b, h) sits at row j % P of page ``page_table[l, b, h, j // P
 tokens are written there and never read, so writes keep static shapes and no head ever stores a pad.
 
 Pages are allocated ahead of use (``reserve``), so a decode step only computes row indices from lengths: O(heads),
-no allocation, no copy, static shapes. ``reserve`` also packs the pool (``pack``): each head's pages consecutive, so
-where a layer's heads are all equally long a decode step reads them as one view (``reference.heads_view``). Compression compacts kept tokens to the front of each head's own pages and
-returns the pages past the new length to the free stack; ``trim`` then shrinks the pool tensors themselves so the
-process really holds only what is in use. The page format (dtype here) is a property of the pool alone.
+no allocation, no copy, static shapes. A reservation packs the pool (each head's pages consecutive, heads in order),
+so where every head is equally long a decode step reads a layer as one slice of the pool (``packed``).
+Compression compacts kept tokens to the front of each head's own pages and gives up the pages past the new length
+(``release_unused``); ``trim`` then shrinks the pool tensors themselves so the process really holds only what is
+in use. The page format (dtype here) is a property of the pool alone.
 """
 
 from __future__ import annotations
@@ -49,14 +50,12 @@ class PagedKVCache(nn.Module):
         self.num_layers, self.num_kv_heads, self.num_q_heads = num_layers, num_kv_heads, num_q_heads
         self.head_dim, self.page_size, self.obs_window, self.dtype = head_dim, page_size, obs_window, dtype
         self.batch_size = 0
-        self.n_free = 0  # host-side top of the free stack (allocation runs outside the decode step)
         self._packed, self._packed_for = False, (lambda: None, -1)  # ``packed()``'s answer, and for which table
         dev = torch.device(device)
         L, Hkv, P, D = num_layers, num_kv_heads, page_size, head_dim
         self.register_buffer("k_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
         self.register_buffer("v_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
         self.register_buffer("page_pos", torch.zeros(1, P, dtype=torch.int32, device=dev))
-        self.register_buffer("free_pages", torch.zeros(0, dtype=torch.int32, device=dev))
         self.register_buffer("page_table", torch.zeros(L, 0, Hkv, 1, dtype=torch.int32, device=dev))
         self.register_buffer("lengths", torch.zeros(L, 0, Hkv, dtype=torch.int32, device=dev))
         self.register_buffer("n_pages", torch.zeros(L, 0, Hkv, dtype=torch.int64, device=dev))  # pages owned
@@ -77,8 +76,6 @@ class PagedKVCache(nn.Module):
         self.n_pages = torch.zeros(L, batch_size, Hkv, dtype=torch.int64, device=dev)
         self.obs_q = torch.zeros(L, batch_size, self.num_q_heads, self.obs_window, self.head_dim, dtype=self.dtype, device=dev)
         self.obs_pos = torch.full((batch_size, self.obs_window), -1, dtype=torch.int64, device=dev)
-        capacity = self.k_pages.shape[0]
-        self._set_free(torch.arange(capacity - 1, 0, -1, dtype=torch.int32, device=dev))  # page 0 is scratch
 
     reset = setup
 
@@ -112,53 +109,26 @@ class PagedKVCache(nn.Module):
 
     # ------------------------------------------------------------------ pages
     def reserve(self, n_tokens: int | Tensor) -> None:
-        """Own enough pages that every head of row b can take ``n_tokens[b]`` more tokens. Grows the pool if needed."""
+        """Own enough pages that every head of row b can take ``n_tokens[b]`` more tokens, then pack the pool
+        (``pack``): one copy of the owned pages per reservation, into a pool grown by half when it is full."""
         n = torch.as_tensor(n_tokens, device=self.device).long().expand(self.batch_size)
         want = (self.lengths.long() + n[None, :, None] + self.page_size - 1) // self.page_size
         need = (want - self.n_pages).clamp_min(0)
-        total = int(need.sum())
-        if total == 0:
+        if not bool(need.any()):
             return
-        if total > self.n_free:
-            self._grow(total - self.n_free)
-        max_pages = int(want.max())
-        if max_pages > self.page_table.shape[-1]:
-            pad = max_pages - self.page_table.shape[-1]
-            self.page_table = nn.functional.pad(self.page_table, (0, pad))
-        ids = self.free_pages[self.n_free - total : self.n_free].flip(0)  # ascending: a fresh pool comes out packed
-        self.n_free -= total
-        flat_need = need.flatten()
-        head = torch.repeat_interleave(torch.arange(flat_need.numel(), device=self.device), flat_need)
-        first = (flat_need.cumsum(0) - flat_need)[head]
-        slot = self.n_pages.flatten()[head] + torch.arange(total, device=self.device) - first
-        self.page_table.view(-1, self.page_table.shape[-1])[head, slot] = ids
-        self.n_pages += need
-        self.pack()
+        width = int(want.max())
+        if width > self.page_table.shape[-1]:
+            self.page_table = nn.functional.pad(self.page_table, (0, width - self.page_table.shape[-1]))
+        self.n_pages += need  # the new pages point at page 0 until _renumber gives them pages of their own
+        used, capacity = 1 + int(self.n_pages.sum()), self.k_pages.shape[0]
+        self._renumber(capacity if used <= capacity else max(used, capacity + capacity // 2))
 
     def release_unused(self) -> None:
-        """Return every page past each head's length to the free stack."""
-        idx = torch.arange(self.page_table.shape[-1], device=self.device)
-        spare = (idx >= self.pages_held()[..., None]) & (idx < self.n_pages[..., None])
-        ids = self.page_table[spare]
-        k = ids.numel()
-        if k:
-            self.free_pages[self.n_free : self.n_free + k] = ids
-            self.n_free += k
-            self.page_table.masked_fill_(spare, 0)
+        """Give up every page past each head's length; the next ``reserve``, ``pack`` or ``trim`` reclaims them."""
         self.n_pages = self.pages_held()
+        idx = torch.arange(self.page_table.shape[-1], device=self.device)
+        self.page_table = self.page_table.masked_fill(idx >= self.n_pages[..., None], 0)
         self.page_table = self.page_table[..., : max(int(self.n_pages.max()), 1)].contiguous()  # reads stay short
-
-    def _grow(self, extra: int) -> None:
-        old = self.k_pages.shape[0]
-        new = old + max(extra, old // 2)  # geometric growth: few reallocations while prefill grows
-        P, D, dev = self.page_size, self.head_dim, self.device
-        k = torch.zeros(new, P, D, dtype=self.dtype, device=dev)
-        v = torch.zeros(new, P, D, dtype=self.dtype, device=dev)
-        pos = torch.zeros(new, P, dtype=torch.int32, device=dev)
-        k[:old], v[:old], pos[:old] = self.k_pages, self.v_pages, self.page_pos
-        self.k_pages, self.v_pages, self.page_pos = k, v, pos
-        fresh = torch.arange(new - 1, old - 1, -1, dtype=torch.int32, device=dev)
-        self._set_free(torch.cat([self.free_pages[: self.n_free], fresh]))
 
     def trim(self, spare_pages: int = 0) -> None:
         """Shrink the pool to the pages heads own plus ``spare_pages``, renumbering pages. Frees real memory."""
@@ -192,31 +162,21 @@ class PagedKVCache(nn.Module):
     def _renumber(self, capacity: int) -> None:
         """Make the pool ``capacity`` pages with the owned pages at 1, 2, ... in (layer, row, head, page) order."""
         owned = torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
-        old = self.page_table[owned].long()
-        n = old.numel()
+        keep = torch.cat([self.page_table.new_zeros(1), self.page_table[owned]]).long()  # scratch page, then owned
+        n = keep.numel() - 1
         for name in ("k_pages", "v_pages", "page_pos"):
             pool = getattr(self, name)
-            moved = pool[old]  # a copy: pages the move overwrites are read first
-            if capacity != pool.shape[0]:  # new storage, so the old pool's memory is released
-                pool = torch.cat([pool[:1], pool.new_zeros(capacity - 1, *pool.shape[1:])])
-            pool[1 : n + 1] = moved
-            setattr(self, name, pool)
+            new = pool.new_empty(capacity, *pool.shape[1:])  # new storage: the old pool's memory is released
+            torch.index_select(pool, 0, keep, out=new[: n + 1])  # one read and one write of what heads own
+            new[n + 1 :] = 0
+            setattr(self, name, new)
         new_ids = torch.arange(1, n + 1, dtype=torch.int32, device=self.device)
         self.page_table = torch.zeros_like(self.page_table).masked_scatter_(owned, new_ids)
-        self._set_free(torch.arange(capacity - 1, n, -1, dtype=torch.int32, device=self.device))
 
     def resize(self, capacity: int) -> None:
-        """Make the pool exactly ``capacity`` pages (scratch page included, at least the pages heads own): what a
-        decode-time cap sizes once so that the decode step's shapes never change afterwards."""
-        if capacity > self.k_pages.shape[0]:
-            self._grow(capacity - self.k_pages.shape[0])
-        self.trim(max(capacity - 1 - int(self.n_pages.sum()), 0))
-
-    def _set_free(self, ids: Tensor) -> None:
-        """Make ``ids`` the free stack (top = last); the stack tensor can hold every page of the pool."""
-        self.free_pages = torch.zeros(self.k_pages.shape[0], dtype=torch.int32, device=self.device)
-        self.free_pages[: ids.numel()] = ids
-        self.n_free = ids.numel()
+        """Make the pool exactly ``capacity`` pages (scratch page included, at least the pages heads own), packed:
+        what a decode-time cap sizes once so that the decode step's shapes never change afterwards."""
+        self._renumber(max(capacity, 1 + int(self.n_pages.sum())))
 
     # ------------------------------------------------------------------ tokens
     def slots_for(self, real: Tensor) -> Tensor:

@@ -33,8 +33,8 @@ class Programs:
     logits`` (eager FX graphs, their compiled versions, or loaded AOTInductor packages); ``prefill_last`` returns
     only the last position's logits (what generation needs); ``scales``: the softmax scale per layer;
     ``captured``: the captured model graph, kept so a new recipe or budget needs no new capture;
-    ``decode_packed``: the decode program for a packed cache (``PagedKVCache.packed``), which reads each layer's
-    pages in place instead of gathering them (None: ``decode`` serves every layout).
+    ``decode_packed``: the eager decode program for a packed cache (``PagedKVCache.packed``), which reads each
+    layer's pages in place instead of gathering them (None: ``decode`` serves every layout, as when compiled).
     """
 
     prefill: Callable
@@ -51,7 +51,8 @@ class Programs:
         prefill = passes.rewrite(captured, spec, decode=False)
         prefill_last = passes.rewrite(captured, spec, decode=False, last_logits=True)
         decode = passes.rewrite(captured, spec, decode=True)
-        decode_packed = passes.rewrite(captured, spec, decode=True, packed=True)
+        # eager CPU only: compiled, the packed read is slower than Inductor's fused gather (docs/architecture.md)
+        decode_packed = None if compile else passes.rewrite(captured, spec, decode=True, packed=True)
         scales = [0.0] * spec.num_layers
         for node in prefill.graph.nodes:
             if "kvc.layer" in node.meta:
@@ -64,8 +65,7 @@ class Programs:
             # static shapes: lengths change values, not shapes, so decode compiles once; CUDA graphs on CUDA
             # (mode="reduce-overhead", not yet run on a GPU)
             mode = "reduce-overhead" if cuda and backend == "inductor" else None
-            decode, decode_packed = (torch.compile(p, backend=backend, fullgraph=True, dynamic=False, mode=mode)
-                                     for p in (decode, decode_packed))  # compiled on first use
+            decode = torch.compile(decode, backend=backend, fullgraph=True, dynamic=False, mode=mode)
         return cls(prefill, prefill_last, decode, scales, captured, decode_packed)
 
 

@@ -9,13 +9,13 @@ step and then every ``every`` steps, ``run``:
 2. asks the policy how many tokens each head keeps: the cap minus ``every`` (room for the tokens until the next
    run), so no head ever holds more than the cap (GrowPage shares the sequence's cap unevenly instead);
 3. keeps the protected spans first (recent window > sinks > prompt), then the top scores; compacts them with
-   ``ops.compact``, returns the freed pages to the free stack (``release_unused``), and moves the policy's
+   ``ops.compact``, gives up the freed pages (``release_unused``), and moves the policy's
    per-token state along with the tokens;
-4. reserves room for the next ``every`` tokens out of the freed pages.
+4. reserves room for the next ``every`` tokens in the pages given up (the pool keeps its size).
 
 The cap is the model's budget, per sequence: a token count is tokens per KV head, a byte size is spread evenly over
 (layer, KV head), a fraction is that fraction of the tokens the row has seen. ``start`` sizes the pool for the cap
-once (``trim``); with a token or byte cap the pool tensors and the page table then keep one shape for the whole
+once (``resize``); with a token or byte cap the pool tensors and the page table then keep one shape for the whole
 generation, so a compiled decode program never recompiles (a fraction cap grows the pool as it grows). Runs sync
 with the host; decode steps do not.
 """

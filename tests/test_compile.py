@@ -28,26 +28,9 @@ def test_compiled_decode_compiles_once_and_matches_eager(llama_cm):
     assert len(set(compiled.cache.lengths.flatten().tolist())) > 1, "per-head lengths differ while decoding"
 
 
-def test_compiled_packed_decode_compiles_once_and_matches_eager(llama_cm):
-    """Snapkv keeps every head equally long: the cache stays packed and the packed decode program runs."""
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
-    compiled = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4, compile=counter)
-    eager = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4)
-    ids = torch.randint(2, 90, (2, 40), generator=torch.Generator().manual_seed(1))
-    a, b = compiled.prefill(ids), eager.prefill(ids)
-    for step in range(24):
-        token = b[:, -1].argmax(-1, keepdim=True)
-        a, b = compiled.decode(token), eager.decode(token)
-        assert compiled.cache.packed(), f"decode step {step}: the cache is packed"
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"decode step {step}: {m}")
-    assert counter.frame_count == 2, "one prefill and one (packed) decode compilation, no recompiles"
-
-
 def test_compile_traces_into_the_decode_op(llama_cm):
     """decode_attention is a triton_op: AOT tracing decomposes it into the ops of its body (the Triton kernel on
-    CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node (as
-    does decode_attention_packed, see test_compiled_packed_decode_compiles_once_and_matches_eager)."""
+    CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
@@ -59,10 +42,10 @@ def test_compile_traces_into_the_decode_op(llama_cm):
         graphs.append({str(n.args[0] if "auto_functionalized" in str(n.target) else n.target) for n in calls})
         return make_boxed_func(gm.forward)
 
-    cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", page_size=4, compile=aot_autograd(fw_compiler=record))
-    logits = cm.prefill(*left_padded_batch([12, 5], total=12))
+    cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", compile=aot_autograd(fw_compiler=record))
+    logits = cm.prefill(torch.randint(2, 90, (1, 12)))
     cm.decode(logits[:, -1].argmax(-1, keepdim=True))
-    assert not cm.cache.packed(), "rows of different lengths: the generic decode program ran"
+    assert cm.cache.packed() and cm.programs.decode_packed is None, "compiled: the traced decode, packed or not"
     prefill, decode = graphs
     assert any("prefill_attention" in t for t in prefill)
     assert not any("decode_attention" in t for t in decode)

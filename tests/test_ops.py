@@ -116,8 +116,7 @@ def test_reserve_release_and_trim_return_memory():
     cache.reserve(torch.tensor([10, 3]))
     assert cache.n_pages.tolist() == [[[3, 3], [1, 1]]] * 2
     cache.lengths[:] = torch.tensor([[10, 10], [3, 3]], dtype=torch.int32)
-    used = int(cache.n_pages.sum())
-    assert cache.n_free == cache.k_pages.shape[0] - 1 - used
+    assert cache.k_pages.shape[0] >= 1 + int(cache.n_pages.sum()), "the pool holds every owned page"
     cache.lengths[:] = torch.tensor([[2, 5], [3, 1]], dtype=torch.int32)
     cache.release_unused()
     assert cache.n_pages.tolist() == [[[1, 2], [1, 1]]] * 2
@@ -142,7 +141,7 @@ def test_reserve_packs_heads_without_changing_them():
     cache.lengths[:] = torch.tensor([[6, 6], [3, 3]], dtype=torch.int32)
     cache.release_unused()
     before = [cache.dense(layer) for layer in range(2)]
-    cache.reserve(5)  # rows grow unevenly from the free stack; reserve packs them again
+    cache.reserve(5)  # rows grow unevenly after pages were given up; reserve packs them again
     owned = torch.arange(cache.page_table.shape[-1]) < cache.n_pages[..., None]
     assert cache.page_table[owned].tolist() == list(range(1, int(owned.sum()) + 1)), "pages consecutive, in order"
     cache.pack()  # already packed: nothing moves
