@@ -2,11 +2,11 @@
 
 Compares, on the same machine and inputs: transformers with its own full cache (sdpa, DynamicCache), kvcompile at
 budget 1.0, and kvcompile at smaller budgets (eager, and compiled with ``--compiled``). Prefill is measured once
-for kvcompile (compression runs after it); each budget then restores the prefilled cache, compresses (timed) and
-decodes (timed; a decode step's time includes its share of reserving pages). Writes JSON and a PNG under
-bench/results/.
+for kvcompile (compression runs after it); each budget then restores the prefilled cache and compresses (timed).
+Then every variant decodes ``--steps`` tokens in turn, for ``--rounds`` rounds; a variant's ms/token is its median
+round, including its share of reserving pages. Writes JSON (every round) and a PNG under bench/results/.
 
-    python bench/decode.py --contexts 1024,2048,4096 --batches 1,4 --steps 16
+    python bench/decode.py --contexts 1024,2048,4096 --batches 1,4 --steps 8 --rounds 3
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -32,30 +33,46 @@ def timed(fn):
     return out, time.perf_counter() - t0
 
 
-def hf_full_cache(model, ids, steps):
-    """transformers' own path: one prefill forward with a DynamicCache, then one forward per token."""
+def hf_full_cache(model, ids):
+    """transformers' own path: one prefill forward with a DynamicCache -> (prefill seconds, one decode step)."""
     with torch.no_grad():
         out, t_prefill = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
-        cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
-        model(input_ids=token, past_key_values=cache, use_cache=True)  # warm-up step
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
-        return t_prefill, (time.perf_counter() - t0) / steps
+    state = {"cache": out.past_key_values, "token": out.logits[:, -1:].argmax(-1)}
+
+    def step():
+        with torch.no_grad():
+            out = model(input_ids=state["token"], past_key_values=state["cache"], use_cache=True)
+        state["token"] = out.logits[:, -1:].argmax(-1)
+
+    step()  # warm-up
+    return t_prefill, step
 
 
-def kv_decode(cm, token, steps):
-    """Seconds per decode step, including the step's share of reserving pages: decoding reserves room for
-    ``_DECODE_RESERVE`` tokens at a time, and a reservation packs the pool (up to one copy of the cache)."""
-    room = max(_DECODE_RESERVE, steps + 1)
+def kv_steps(cm, token, room):
+    """(one decode step of ``cm``, seconds of reservation per token). Decoding reserves pages ahead (a reservation
+    packs the pool: up to one copy of the cache), so each step is charged its share of reserving ``room`` tokens."""
     _, t_reserve = timed(lambda: cm.cache.reserve(room))
     cm._room = room
-    cm.decode(token)  # warm-up (and compilation, when compiled)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        token = cm.decode(token)[:, -1].argmax(-1, keepdim=True)
-    return (time.perf_counter() - t0) / steps + t_reserve / room
+    state = {"token": token}
+
+    def step():
+        state["token"] = cm.decode(state["token"])[:, -1].argmax(-1, keepdim=True)
+
+    step()  # warm-up (and compilation, when compiled)
+    return step, t_reserve / room
+
+
+def interleaved(steps_of, rounds, steps):
+    """Seconds per step of each variant in each round; the variants take turns within a round, so the machine's
+    drift (large on a shared 2-core VM) falls on all of them alike."""
+    times = {name: [] for name in steps_of}
+    for _ in range(rounds):
+        for name, step in steps_of.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            times[name].append((time.perf_counter() - t0) / steps)
+    return times
 
 
 def snapshot(cm):
@@ -73,18 +90,20 @@ def restore(cm, snap):
 def run(args):
     model, _ = kvcompile.load_model(args.model)
     base = kvcompile.apply(model, budget=1.0, recipe="full")
+    room = max(_DECODE_RESERVE, args.rounds * args.steps + 1)
     rows = []
     for ctx in args.contexts:
         for batch in args.batches:
             ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
-            hf_prefill, hf_ms = hf_full_cache(model, ids, args.steps)
-            row = {"context": ctx, "batch": batch, "hf_prefill_s": hf_prefill, "hf_decode_ms": hf_ms * 1e3}
+            hf_prefill, hf_step = hf_full_cache(model, ids)
+            row = {"context": ctx, "batch": batch, "hf_prefill_s": hf_prefill}
             full = kvcompile.apply(base, budget=1.0, recipe=args.recipe)  # observes queries, keeps everything
-            logits, t_prefill = timed(lambda: full.prefill(ids, logits="last"))
+            logits, row["kv_prefill_s"] = timed(lambda: full.prefill(ids, logits="last"))
             token = logits[:, -1:].argmax(-1)
             snap = snapshot(full)
-            row["kv_prefill_s"] = t_prefill
-            row["kv_1.0_decode_ms"] = kv_decode(full, token, args.steps) * 1e3
+            steps_of, reserve = {"hf": hf_step}, {"hf": 0.0}
+            steps_of["kv_1.0"], reserve["kv_1.0"] = kv_steps(full, token, room)
+            row["kv_1.0_bytes_held"] = int(full.cache.bytes_held().sum())
             for budget in args.budgets:
                 for compiled in [False, True] if args.compiled else [False]:
                     cm = kvcompile.apply(base, budget=budget, recipe=args.recipe, compile=compiled)
@@ -95,9 +114,12 @@ def run(args):
                                                        cm.spec.windows))
                     key = f"kv_{budget}{'_compiled' if compiled else ''}"
                     row[f"{key}_compress_s"] = t_comp
-                    row[f"{key}_decode_ms"] = kv_decode(cm, token, args.steps) * 1e3
                     row[f"{key}_bytes_held"] = int(cm.cache.bytes_held().sum())
-            row["kv_1.0_bytes_held"] = int(full.cache.bytes_held().sum())
+                    steps_of[key], reserve[key] = kv_steps(cm, token, room)
+            del snap
+            for name, times in interleaved(steps_of, args.rounds, args.steps).items():
+                row[f"{name}_rounds_ms"] = [(t + reserve[name]) * 1e3 for t in times]
+                row[f"{name}_decode_ms"] = statistics.median(row[f"{name}_rounds_ms"])
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -146,7 +168,8 @@ def main():
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.1])
-    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--steps", type=int, default=8, help="timed decode steps per variant per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; the table reports each variant's median round")
     p.add_argument("--compiled", action="store_true", help="also time the compiled decode (slow to compile on CPU)")
     p.add_argument("--out", default=str(RESULTS / "decode"))
     args = p.parse_args()

@@ -49,4 +49,21 @@ def test_compile_traces_into_the_decode_op(llama_cm):
     prefill, decode = graphs
     assert any("prefill_attention" in t for t in prefill)
     assert not any("decode_attention" in t for t in decode)
-    assert any("index_copy" in t for t in decode), "the op's body (writing the new token) is in the graph"
+    assert any("index_put" in t for t in decode), "the op's body (writing the new token) is in the graph"
+
+
+def test_compiled_decode_writes_the_pool_in_place(llama_cm):
+    """Inductor must write the new token into the pool, not clone the pool (and copy it back) every step: a pool
+    written through a view (index_copy_ on k_pages.view(-1, D)) did exactly that."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", page_size=4, compile=True)
+    logits = cm.prefill(torch.randint(2, 90, (2, 12)))
+    cm.cache.reserve(8)
+    cm._room = 8
+    _, codes = run_and_get_code(cm.decode, logits[:, -1].argmax(-1, keepdim=True))
+    N, P, D = cm.cache.k_pages.shape
+    assert codes, "the decode step was compiled"
+    for shape in (f"({N}, {P}, {D})", f"({N * P}, {D})"):
+        assert not any(f"empty_strided_cpu({shape}" in code for code in codes), f"a pool-sized buffer {shape}"

@@ -128,11 +128,12 @@ def write_tokens(
     k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, k: Tensor, v: Tensor, pos: Tensor, slots: Tensor
 ) -> None:
     """Write new tokens into the pool in place. k, v: [B, Hkv, T, D]; pos: [B, T]; slots: [B, Hkv, T] flat rows."""
-    D = k_pages.shape[-1]
+    D, P = k_pages.shape[-1], k_pages.shape[1]
     rows = slots.reshape(-1)
-    k_pages.view(-1, D).index_copy_(0, rows, k.reshape(-1, D).to(k_pages.dtype))
-    v_pages.view(-1, D).index_copy_(0, rows, v.reshape(-1, D).to(v_pages.dtype))
-    page_pos.view(-1).index_copy_(0, rows, pos[:, None, :].expand(slots.shape).reshape(-1).to(page_pos.dtype))
+    at = (rows // P, rows % P)  # (page, row) indices into the pools themselves, not a view of them
+    k_pages.index_put_(at, k.reshape(-1, D).to(k_pages.dtype))
+    v_pages.index_put_(at, v.reshape(-1, D).to(v_pages.dtype))
+    page_pos.index_put_(at, pos[:, None, :].expand(slots.shape).reshape(-1).to(page_pos.dtype))
 
 
 def compact(
