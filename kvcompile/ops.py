@@ -95,8 +95,8 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     Decode is a ``triton_op``: ``torch.compile`` traces into it, so Inductor sees the Triton kernel itself on CUDA
     (and the reference ops on CPU) instead of an opaque call, and the step can be captured whole in a CUDA graph.
     Prefill stays an opaque ``custom_op``: its reference picks a path from tensor values (a plain causal first
-    prefill, shared masks), which tracing would turn into guards. The packed decode is opaque too: traced, its
-    slice of a pool the same step writes makes Inductor clone the whole pool (and copy it back) every step.
+    prefill, shared masks), which tracing would turn into guards. The packed decode is opaque too: only eager
+    programs call it (``Programs.rewrite``).
     """
     traced = decode and not packed
     register = torch.library.triton_op if traced else torch.library.custom_op

@@ -51,7 +51,7 @@ class Programs:
         prefill = passes.rewrite(captured, spec, decode=False)
         prefill_last = passes.rewrite(captured, spec, decode=False, last_logits=True)
         decode = passes.rewrite(captured, spec, decode=True)
-        # eager CPU only: compiled, the packed read is slower than Inductor's fused gather (docs/architecture.md)
+        # eager only: compiled, it has not been shown to beat Inductor's fused gather (docs/architecture.md)
         decode_packed = None if compile else passes.rewrite(captured, spec, decode=True, packed=True)
         scales = [0.0] * spec.num_layers
         for node in prefill.graph.nodes:
