@@ -126,8 +126,7 @@ class PagedKVCache(nn.Module):
     def release_unused(self) -> None:
         """Give up every page past each head's length; the next ``reserve``, ``pack`` or ``trim`` reclaims them."""
         self.n_pages = self.pages_held()
-        idx = torch.arange(self.page_table.shape[-1], device=self.device)
-        self.page_table = self.page_table.masked_fill(idx >= self.n_pages[..., None], 0)
+        self.page_table = self.page_table.masked_fill(~self._owned(), 0)
         self.page_table = self.page_table[..., : max(int(self.n_pages.max()), 1)].contiguous()  # reads stay short
 
     def trim(self, spare_pages: int = 0) -> None:
@@ -141,8 +140,7 @@ class PagedKVCache(nn.Module):
         pool's size. When every head of a layer owns as many pages as the page table is wide, a decode step then
         reads the layer's keys as one view of the pool instead of gathering them (``reference.heads_view``).
         One copy of the owned pages (``reserve`` calls it, so once per reservation, not per step); free when packed."""
-        owned = torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
-        ids = self.page_table[owned]
+        ids = self.page_table[self._owned()]
         if not torch.equal(ids, torch.arange(1, ids.numel() + 1, dtype=ids.dtype, device=self.device)):
             self._renumber(self.k_pages.shape[0])
 
@@ -159,9 +157,13 @@ class PagedKVCache(nn.Module):
             self._packed_for = (weakref.ref(table), table._version)
         return self._packed
 
+    def _owned(self) -> Tensor:
+        """[L, B, Hkv, MAXP] True at the page-table slots of pages a head owns."""
+        return torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
+
     def _renumber(self, capacity: int) -> None:
         """Make the pool ``capacity`` pages with the owned pages at 1, 2, ... in (layer, row, head, page) order."""
-        owned = torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
+        owned = self._owned()
         keep = torch.cat([self.page_table.new_zeros(1), self.page_table[owned]]).long()  # scratch page, then owned
         n = keep.numel() - 1
         for name in ("k_pages", "v_pages", "page_pos"):
