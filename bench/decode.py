@@ -1,7 +1,8 @@
 """Decode ms/token and prefill + compression time against context length and batch, in one run.
 
 Compares, on the same machine and inputs: transformers with its own full cache (sdpa, DynamicCache), kvcompile at
-budget 1.0, and kvcompile at smaller budgets (eager, and compiled with ``--compiled``). Prefill is measured once
+budget 1.0 (and again with plain ``F.linear`` projections: what ``StreamWeightsLinear`` is worth on this machine),
+and kvcompile at smaller budgets (eager, and compiled with ``--compiled``). Prefill is measured once
 for kvcompile (compression runs after it); each budget then restores the prefilled cache and compresses (timed).
 Then every variant decodes ``--steps`` tokens in turn, for ``--rounds`` rounds; a variant's ms/token is its median
 round, including its share of reserving pages. Writes JSON (every round) and a PNG under bench/results/.
@@ -22,7 +23,7 @@ import torch
 
 import kvcompile
 from kvcompile.compress import compress
-from kvcompile.runtime import _DECODE_RESERVE
+from kvcompile.runtime import _DECODE_RESERVE, Programs
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -104,6 +105,11 @@ def run(args):
             steps_of, reserve = {"hf": hf_step}, {"hf": 0.0}
             steps_of["kv_1.0"], reserve["kv_1.0"] = kv_steps(full, token, room)
             row["kv_1.0_bytes_held"] = int(full.cache.bytes_held().sum())
+            plain = kvcompile.apply(base, budget=1.0, recipe=args.recipe)  # the share of StreamWeightsLinear
+            plain.programs = Programs.rewrite(base.programs.captured, base.spec, stream_weights=False)
+            plain.cache.setup(batch)
+            restore(plain, snap)
+            steps_of["kv_1.0_plain_linear"], reserve["kv_1.0_plain_linear"] = kv_steps(plain, token, room)
             for budget in args.budgets:
                 for compiled in [False, True] if args.compiled else [False]:
                     cm = kvcompile.apply(base, budget=budget, recipe=args.recipe, compile=compiled)
@@ -128,13 +134,15 @@ def run(args):
 def table(rows) -> str:
     """Markdown table: times, and ratios against transformers' full cache measured in the same run."""
     budgets = list(dict.fromkeys(k[3 : -len("_compress_s")] for r in rows for k in r if k.endswith("_compress_s")))
-    head = ["context", "batch", "HF prefill s", "kv prefill s", "HF decode ms", "kv 1.0 decode ms", "HF / kv 1.0"]
+    head = ["context", "batch", "HF prefill s", "kv prefill s", "HF decode ms", "kv 1.0 decode ms", "HF / kv 1.0",
+            "kv 1.0 plain linear ms"]
     for b in budgets:
         head += [f"kv {b} decode ms", f"HF / kv {b}", f"compress {b} / kv prefill"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["context"], r["batch"], f"{r['hf_prefill_s']:.1f}", f"{r['kv_prefill_s']:.1f}",
-                 f"{r['hf_decode_ms']:.0f}", f"{r['kv_1.0_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r['kv_1.0_decode_ms']:.2f}"]
+                 f"{r['hf_decode_ms']:.0f}", f"{r['kv_1.0_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r['kv_1.0_decode_ms']:.2f}",
+                 f"{r['kv_1.0_plain_linear_decode_ms']:.0f}"]
         for b in budgets:
             cells += [f"{r[f'kv_{b}_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r[f'kv_{b}_decode_ms']:.2f}",
                       f"{r[f'kv_{b}_compress_s'] / r['kv_prefill_s']:.1%}"]

@@ -95,11 +95,9 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     Decode is a ``triton_op``: ``torch.compile`` traces into it, so Inductor sees the Triton kernel itself on CUDA
     (and the reference ops on CPU) instead of an opaque call, and the step can be captured whole in a CUDA graph.
     Prefill stays an opaque ``custom_op``: its reference picks a path from tensor values (a plain causal first
-    prefill, shared masks), which tracing would turn into guards. The packed decode is opaque too: only eager
-    programs call it (``Programs.rewrite``).
+    prefill, shared masks), which tracing would turn into guards.
     """
-    traced = decode and not packed
-    register = torch.library.triton_op if traced else torch.library.custom_op
+    register = torch.library.triton_op if decode else torch.library.custom_op
 
     @register(f"kvcompile::{name}", mutates_args=_MUTATED)
     def op(
@@ -112,7 +110,7 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
             packed, decode,
         )
 
-    if not traced:  # a triton_op's own body is its fake kernel
+    if not decode:  # a triton_op's own body is its fake kernel
 
         @op.register_fake
         def _fake(q, *args, **kwargs):

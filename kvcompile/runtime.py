@@ -47,25 +47,29 @@ class Programs:
     NAMES = ("prefill", "prefill_last", "decode")
 
     @classmethod
-    def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, compile=False) -> "Programs":
+    def rewrite(
+        cls, captured: fx.GraphModule, spec: ModelSpec, compile=False, stream_weights: bool | None = None
+    ) -> "Programs":
+        """``stream_weights``: decode's projections as ``streamed_linear`` (default: on CPU)."""
+        cuda = next(captured.parameters()).device.type == "cuda"
+        stream = not cuda if stream_weights is None else stream_weights
         prefill = passes.rewrite(captured, spec, decode=False)
         prefill_last = passes.rewrite(captured, spec, decode=False, last_logits=True)
-        decode = passes.rewrite(captured, spec, decode=True)
-        # eager only: compiled, it has not been shown to beat Inductor's fused gather (docs/architecture.md)
-        decode_packed = None if compile else passes.rewrite(captured, spec, decode=True, packed=True)
+        decode = passes.rewrite(captured, spec, decode=True, stream_weights=stream)
+        decode_packed = passes.rewrite(captured, spec, decode=True, packed=True, stream_weights=stream)
         scales = [0.0] * spec.num_layers
         for node in prefill.graph.nodes:
             if "kvc.layer" in node.meta:
                 scales[node.meta["kvc.layer"]] = node.kwargs["scale"]
         if compile:
             backend = "inductor" if compile is True else compile
-            cuda = next(captured.parameters()).device.type == "cuda"
             prefill, prefill_last = (torch.compile(p, backend=backend, fullgraph=True, dynamic=True)
                                      for p in (prefill, prefill_last))
             # static shapes: lengths change values, not shapes, so decode compiles once; CUDA graphs on CUDA
             # (mode="reduce-overhead", not yet run on a GPU)
             mode = "reduce-overhead" if cuda and backend == "inductor" else None
-            decode = torch.compile(decode, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+            decode, decode_packed = (torch.compile(p, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+                                     for p in (decode, decode_packed))
         return cls(prefill, prefill_last, decode, scales, captured, decode_packed)
 
 

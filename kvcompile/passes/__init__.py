@@ -1,8 +1,8 @@
 """Graph passes that turn a captured model into one whose attention runs over the paged cache.
 
 Order (``rewrite``): InsertPagedAttention (every SDPA node -> kvcompile op with its layer index), then
-KeepLastLogits when only the last position's logits are wanted, then DropDeadMaskCode (the model's own mask code
-is now dead).
+KeepLastLogits when only the last position's logits are wanted, then StreamWeightsLinear when asked (the CPU decode
+program), then DropDeadMaskCode (the model's own mask code is now dead).
 """
 
 from __future__ import annotations
@@ -14,26 +14,29 @@ from .base import GraphPass, PassManager
 from .paged_attention import CACHE_BUFFERS, DropDeadMaskCode, InsertPagedAttention
 from .last_logits import KeepLastLogits
 from .sdpa import UnsupportedGraph
+from .streamed_linear import StreamWeightsLinear
 
 
 def rewrite(
-    captured: fx.GraphModule, spec: ModelSpec, *, decode: bool, last_logits: bool = False, packed: bool = False
+    captured: fx.GraphModule, spec: ModelSpec, *, decode: bool, last_logits: bool = False, packed: bool = False,
+    stream_weights: bool = False,
 ) -> fx.GraphModule:
     """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or a decode program).
 
     The program is ``forward(input_ids, position_ids, kvc_q_pos, kvc_slots, *cache tensors) -> logits`` with the
     cache tensors in the order of ``CACHE_BUFFERS``; with ``last_logits`` the logits are [B, 1, V]; with ``packed``
-    it may only run on a packed cache (``PagedKVCache.packed``), which it reads without gathering.
+    it may only run on a packed cache (``PagedKVCache.packed``), which it reads without gathering; with
+    ``stream_weights`` its projections run as ``streamed_linear`` (few rows on CPU).
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(captured.graph, {}))
     gm = fx.GraphModule(captured, graph)
     paged = InsertPagedAttention(spec, decode=decode, packed=packed)
-    order = [paged] + [KeepLastLogits()] * last_logits + [DropDeadMaskCode()]
+    order = [paged] + [KeepLastLogits()] * last_logits + [StreamWeightsLinear()] * stream_weights + [DropDeadMaskCode()]
     return PassManager(order)(gm)
 
 
 __all__ = [
     "CACHE_BUFFERS", "DropDeadMaskCode", "GraphPass", "InsertPagedAttention", "KeepLastLogits", "PassManager",
-    "UnsupportedGraph", "rewrite",
+    "StreamWeightsLinear", "UnsupportedGraph", "rewrite",
 ]
