@@ -33,8 +33,8 @@ class Programs:
     logits`` (eager FX graphs, their compiled versions, or loaded AOTInductor packages); ``prefill_last`` returns
     only the last position's logits (what generation needs); ``scales``: the softmax scale per layer;
     ``captured``: the captured model graph, kept so a new recipe or budget needs no new capture;
-    ``decode_packed``: the eager decode program for a packed cache (``PagedKVCache.packed``), which reads each
-    layer's pages in place instead of gathering them (None: ``decode`` serves every layout, as when compiled).
+    ``decode_packed``: the decode program for a packed cache (``PagedKVCache.packed``), which reads each layer's
+    pages in place instead of gathering them (None: ``decode`` serves every layout, as in an exported artifact).
     """
 
     prefill: Callable
