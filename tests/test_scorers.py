@@ -188,6 +188,21 @@ def test_criticalkv_reweights_by_value_norm_and_keeps_its_first_stage():
         assert first <= set(order[:k].tolist()), f"top-{k} misses the base's top {k // 2}"
 
 
+def test_two_stage_scores_keep_the_heads_apart(llama_cm):
+    """Merged rankings carry the first criterion's values, so Ada-KV over CriticalKV splits a layer's tokens between
+    its heads by the base's scores, as Ada-KV over SnapKV does. Rank-valued scores were the same numbers in every
+    head, and Ada-KV split them evenly (to within rounding: 100-103 tokens per head here)."""
+    ids, mask = left_padded_batch([256, 256], total=256, seed=3)  # long enough that SnapKV's window pins few
+    spread = {}
+    for recipe in ("adakv-criticalkv", "adakv-snapkv", "criticalkv"):
+        cm = kvcompile.apply(llama_cm, budget=0.4, recipe=recipe, page_size=4)
+        cm.prefill(ids, mask)
+        lengths = cm.cache.lengths  # [L, B, Hkv]
+        spread[recipe] = int((lengths.amax(-1) - lengths.amin(-1)).max())
+    assert spread["adakv-criticalkv"] == spread["adakv-snapkv"] > 16, spread
+    assert spread["criticalkv"] <= 4, spread  # uniform: page rounding only
+
+
 def exact_leverage(x):
     """Squared row norms of an orthonormal basis of the centred rows' column space (rank-revealing SVD)."""
     u, s, _ = torch.linalg.svd((x - x.mean(0)).double(), full_matrices=False)

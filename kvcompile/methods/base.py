@@ -164,12 +164,18 @@ def merge_rankings(first: Tensor, second: Tensor, ratio: float) -> Tensor:
     """One ranking from two score tensors [..., S] (higher = keep, -inf = not held) such that any top k holds the
     top ~ratio*k of ``first`` and the top ~(1 - ratio)*k of ``second``: a method that splits a budget it does not
     know between two criteria (H2O's heavy hitters and recent tokens, CriticalKV's two stages). A token ranks by
-    min((rank in first + 1) / ratio, (rank in second + 1) / (1 - ratio)); returns that, negated (higher = keep)."""
+    min((rank in first + 1) / ratio, (rank in second + 1) / (1 - ratio)).
+
+    Returns scores in ``first``'s scale: the token ranked i-th gets ``first``'s i-th largest value. Ranks alone
+    would be the same numbers in every head, and an allocator that compares heads (Ada-KV) would see none differ.
+    """
 
     def rank(x):
         return x.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).float() + 1
 
-    return -torch.minimum(rank(first) / ratio, rank(second) / (1 - ratio))
+    merged = torch.minimum(rank(first) / ratio, rank(second) / (1 - ratio))
+    order = merged.argsort(dim=-1, stable=True)
+    return torch.empty_like(first).scatter_(-1, order, first.sort(dim=-1, descending=True).values)
 
 
 def protect(scores: Tensor, mask: Tensor) -> Tensor:

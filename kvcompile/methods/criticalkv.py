@@ -18,8 +18,9 @@ class CriticalKV(Scorer):
 
     Inferred: (1) the paper weights by ||W_o v||_1; scorers do not see model weights, so ||v||_1 stands in
     (W_o = identity). (2) The stages split a budget the scorer does not know, so they are merged into one ranking
-    that is right at every budget (``merge_rankings``): any top-k holds the base's top ~r*k and the re-weighted
-    top ~(1 - r)*k, r = first_stage_ratio."""
+    that is right at every budget (``merge_rankings``): any top-k of the unprotected tokens holds the base's top
+    ~r*k and the re-weighted top ~(1 - r)*k, r = first_stage_ratio, and carries the base's score values, so
+    Ada-KV's allocation compares heads by the base's scores."""
 
     base: str = "snapkv"
     base_args: dict = field(default_factory=dict)
@@ -44,9 +45,10 @@ class CriticalKV(Scorer):
         G = scores.shape[1] // obs.values.shape[1]
         valid = obs.valid.repeat_interleave(G, 1)
         kept = scores >= torch.finfo(torch.bfloat16).max  # protected by the base (in float32 or bfloat16)
-        base = scores.masked_fill(~valid, float("-inf"))
+        free = valid & ~kept  # the two stages split what protection leaves
+        base = scores.masked_fill(~free, float("-inf"))
         vnorm = obs.values.float().abs().sum(-1).repeat_interleave(G, 1)
-        reweighted = ((base.masked_fill(kept, 0) + self.epsilon) * vnorm).masked_fill(~valid, float("-inf"))
+        reweighted = ((base.masked_fill(~free, 0) + self.epsilon) * vnorm).masked_fill(~free, float("-inf"))
         merged = merge_rankings(base, reweighted, self.first_stage_ratio)
         return merged.masked_fill(kept, torch.finfo(torch.float32).max)
 
