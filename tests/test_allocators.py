@@ -64,6 +64,24 @@ def _sorted_mass(scores):
     return a, dropped
 
 
+def test_pooled_rank_is_the_plain_rank_without_ties_and_round_robin_with_them():
+    scores = torch.randn(3, 4, 10)
+    plain = scores.flatten(-2).argsort(-1, descending=True).argsort(-1)
+    assert torch.equal(base.pooled_rank(scores), plain)
+    pinned = torch.tensor([[9.0, 9.0, 1.0], [9.0, 9.0, 0.0]])
+    assert base.pooled_rank(pinned).tolist() == [0, 2, 4, 1, 3, 5]
+
+
+@pytest.mark.parametrize("name", ["adakv", "global-topk"])
+def test_pins_beyond_the_budget_are_split_evenly_between_heads(name):
+    """Every token pinned (``protect``) and room for half: each head keeps half, not the first head all of it."""
+    L, B, Hkv, S = 2, 1, 4, 16
+    scores = base.protect(torch.randn(L, B, Hkv, S), torch.ones(L, B, Hkv, S, dtype=torch.bool))
+    lengths = torch.full((L, B, Hkv), S, dtype=torch.int32)
+    kept = kvcompile.methods.ALLOCATORS[name]().allocate(scores, lengths, torch.tensor([L * Hkv * S // 2]))
+    assert (kept == S // 2).all(), kept.flatten().tolist()
+
+
 def test_contourkv_equalises_dropped_mass_within_one_token():
     scores, lengths = _constructed_scores()
     budget = torch.tensor([150, 320])

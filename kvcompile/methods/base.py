@@ -178,6 +178,17 @@ def merge_rankings(first: Tensor, second: Tensor, ratio: float) -> Tensor:
     return torch.empty_like(first).scatter_(-1, order, first.sort(dim=-1, descending=True).values)
 
 
+def pooled_rank(scores: Tensor) -> Tensor:
+    """Rank (0 = best) of every entry of the rows [..., N, S] taken together -> [..., N * S]. Equal scores (the
+    pinned tokens of ``protect`` above all) go round-robin between rows, by their rank within the row, instead of
+    all to the first row: a budget smaller than the pins then splits them evenly."""
+    within = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).flatten(-2)
+    flat = scores.flatten(-2)
+    order = within.argsort(dim=-1, stable=True)  # by rank within the row, then by row
+    order = order.gather(-1, flat.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+    return order.argsort(dim=-1)
+
+
 def protect(scores: Tensor, mask: Tensor) -> Tensor:
     """Scores where ``mask`` tokens rank above everything else (kept whenever the head keeps any)."""
     return scores.masked_fill(mask, torch.finfo(scores.dtype).max)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocator, Observation, Scorer, protect, register_allocator, register_scorer
+from .base import Allocator, Observation, Scorer, pooled_rank, protect, register_allocator, register_scorer
 
 
 @register_scorer("kvzip")
@@ -74,7 +74,7 @@ class GlobalTopK(Allocator):
 
     def allocate(self, scores, lengths, budget):
         L, B, Hkv, S = scores.shape
-        flat = scores.permute(1, 0, 2, 3).reshape(B, -1)
-        rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-        chosen = (rank < budget[:, None]) & (flat > float("-inf"))
+        pooled = scores.permute(1, 0, 2, 3).reshape(B, L * Hkv, S)
+        rank = pooled_rank(pooled)
+        chosen = (rank < budget[:, None]) & (pooled.flatten(-2) > float("-inf"))
         return chosen.reshape(B, L, Hkv, S).sum(-1).permute(1, 0, 2).minimum(lengths.long())
