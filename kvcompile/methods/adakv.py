@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Allocator, per_head_share, pooled_rank, protect, register_allocator
+from .base import Allocator, descending_rank, per_head_share, pooled_rank, protect, register_allocator
 
 
 @register_allocator("adakv")
@@ -25,7 +25,7 @@ class AdaKV(Allocator):
         share = per_head_share(lengths, budget)  # [B] per head
         floor = (self.alpha_safeguard * share).long()[None, :, None, None]
         held = scores > float("-inf")
-        rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        rank = descending_rank(scores)
         layer_rank = pooled_rank(protect(scores, held & (rank < floor)))
         chosen = (layer_rank < (share * Hkv)[None, :, None]) & held.reshape(L, B, Hkv * S)
         return chosen.reshape(L, B, Hkv, S).sum(-1).minimum(lengths.long())

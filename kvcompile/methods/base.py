@@ -160,6 +160,11 @@ def pool_groups(scores: Tensor, num_kv_heads: int, how: str = "mean") -> Tensor:
     return grouped.mean(2) if how == "mean" else grouped.amax(2)
 
 
+def descending_rank(x: Tensor) -> Tensor:
+    """Rank of every entry along the last dim, 0 = largest; equal values rank by position."""
+    return x.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+
+
 def merge_rankings(first: Tensor, second: Tensor, ratio: float) -> Tensor:
     """One ranking from two score tensors [..., S] (higher = keep, -inf = not held) such that any top k holds the
     top ~ratio*k of ``first`` and the top ~(1 - ratio)*k of ``second``: a method that splits a budget it does not
@@ -171,7 +176,7 @@ def merge_rankings(first: Tensor, second: Tensor, ratio: float) -> Tensor:
     """
 
     def rank(x):
-        return x.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).float() + 1
+        return descending_rank(x).float() + 1
 
     merged = torch.minimum(rank(first) / ratio, rank(second) / (1 - ratio))
     order = merged.argsort(dim=-1, stable=True)
@@ -182,7 +187,7 @@ def pooled_rank(scores: Tensor) -> Tensor:
     """Rank (0 = best) of every entry of the rows [..., N, S] taken together -> [..., N * S]. Equal scores (the
     pinned tokens of ``protect`` above all) go round-robin between rows, by their rank within the row, instead of
     all to the first row: a budget smaller than the pins then splits them evenly."""
-    within = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1).flatten(-2)
+    within = descending_rank(scores).flatten(-2)
     flat = scores.flatten(-2)
     order = within.argsort(dim=-1, stable=True)  # by rank within the row, then by row
     order = order.gather(-1, flat.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
@@ -227,6 +232,6 @@ def water_fill(weights: Tensor, caps: Tensor, total: Tensor) -> Tensor:
     share = torch.minimum(cap, lo * w)
     counts = share.floor()
     frac = (share - counts).masked_fill((counts >= cap) | (w == 0), -1.0)
-    rank = frac.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    rank = descending_rank(frac)
     counts = counts + ((rank < room - counts.sum(-1, keepdim=True)) & (frac >= 0))
     return counts.long()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Allocator, attention_mass, register_allocator
+from .base import Allocator, attention_mass, descending_rank, register_allocator
 
 
 @register_allocator("contourkv")
@@ -50,6 +50,6 @@ class ContourKV(Allocator):
         slot_held = held.gather(-1, order)
         level = level.masked_fill(~slot_held, float("-inf"))
         flat = level.permute(1, 0, 2, 3).reshape(B, L * Hkv * S)
-        rank = flat.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        rank = descending_rank(flat)
         granted = (rank < budget[:, None]).reshape(B, L, Hkv, S).permute(1, 0, 2, 3) & slot_held
         return granted.sum(-1).minimum(lengths.long())

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Observation, Scorer
+from .base import Observation, Scorer, descending_rank
 
 
 def union_sizes(per_query_head: Tensor, valid: Tensor, k: Tensor) -> Tensor:
@@ -27,7 +27,7 @@ def union_sizes(per_query_head: Tensor, valid: Tensor, k: Tensor) -> Tensor:
     Hkv = valid.shape[1]
     G = Hq // Hkv
     scores = per_query_head.float().masked_fill(~valid.repeat_interleave(G, 1), float("-inf"))
-    rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    rank = descending_rank(scores)
     top = (rank < k.repeat_interleave(G, 1)[..., None]) & valid.repeat_interleave(G, 1)
     return top.reshape(B, Hkv, G, S).any(2).sum(-1)
 
