@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import kvcompile
-from kvcompile.compress import compress
-from kvcompile.runtime import _DECODE_RESERVE, Programs
+from kvcompile.model import RESERVE_AHEAD
+from kvcompile.programs import Programs
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -53,7 +53,6 @@ def kv_steps(cm, token, room):
     """(one decode step of ``cm``, seconds of reservation per token). Decoding reserves pages ahead (a reservation
     packs the pool: up to one copy of the cache), so each step is charged its share of reserving ``room`` tokens."""
     _, t_reserve = timed(lambda: cm.cache.reserve(room))
-    cm._room = room
     state = {"token": token}
 
     def step():
@@ -76,53 +75,35 @@ def interleaved(steps_of, rounds, steps):
     return times
 
 
-def snapshot(cm):
-    state = {name: buf.clone() for name, buf in cm.cache.named_buffers()}
-    return state, cm.seen.clone(), cm.context_tokens.clone()
-
-
-def restore(cm, snap):
-    state, seen, context = snap
-    for name, buf in state.items():
-        setattr(cm.cache, name, buf.clone())
-    cm.seen, cm.context_tokens, cm._room = seen.clone(), context.clone(), 0
-
-
 def run(args):
     model, _ = kvcompile.load_model(args.model)
-    base = kvcompile.apply(model, budget=1.0, recipe="full")
-    room = max(_DECODE_RESERVE, args.rounds * args.steps + 1)
+    base = kvcompile.apply(model, budget=1.0, recipe=args.recipe)  # observes the recipe's queries, keeps everything
+    plain = kvcompile.CompressedModel(Programs.rewrite(base.programs.captured, base.spec, stream_weights=False),
+                                      base.spec, base.recipe, base.budget)  # the share of StreamWeightsLinear
+    room = max(RESERVE_AHEAD, args.rounds * args.steps + 1)
     rows = []
     for ctx in args.contexts:
         for batch in args.batches:
             ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
             hf_prefill, hf_step = hf_full_cache(model, ids)
             row = {"context": ctx, "batch": batch, "hf_prefill_s": hf_prefill}
-            full = kvcompile.apply(base, budget=1.0, recipe=args.recipe)  # observes queries, keeps everything
-            logits, row["kv_prefill_s"] = timed(lambda: full.prefill(ids, logits="last"))
+            base.reset()
+            logits, row["kv_prefill_s"] = timed(lambda: base.prefill(ids, compress=False, logits="last"))
             token = logits[:, -1:].argmax(-1)
-            snap = snapshot(full)
             steps_of, reserve = {"hf": hf_step}, {"hf": 0.0}
+            full = base.fork()
             steps_of["kv_1.0"], reserve["kv_1.0"] = kv_steps(full, token, room)
-            row["kv_1.0_bytes_held"] = int(full.cache.bytes_held().sum())
-            plain = kvcompile.apply(base, budget=1.0, recipe=args.recipe)  # the share of StreamWeightsLinear
-            plain.programs = Programs.rewrite(base.programs.captured, base.spec, stream_weights=False)
-            plain.cache.setup(batch)
-            restore(plain, snap)
+            row["kv_1.0_bytes_held"] = full.cache_stats()["bytes_held"]
+            plain.prefill(ids, logits="last")  # its own prefill: other programs than the base's (not timed)
             steps_of["kv_1.0_plain_linear"], reserve["kv_1.0_plain_linear"] = kv_steps(plain, token, room)
             for budget in args.budgets:
                 for compiled in [False, True] if args.compiled else [False]:
-                    cm = kvcompile.apply(base, budget=budget, recipe=args.recipe, compile=compiled)
-                    cm.cache.setup(batch)
-                    restore(cm, snap)
-                    budget_bytes = cm._budget_bytes()
-                    _, t_comp = timed(lambda: compress(cm.cache, cm.scorer, cm.allocator, budget_bytes, cm.programs.scales,
-                                                       cm.spec.windows))
+                    cm = base.fork(args.recipe, budget, compile=compiled)
+                    _, t_comp = timed(cm.compress)
                     key = f"kv_{budget}{'_compiled' if compiled else ''}"
                     row[f"{key}_compress_s"] = t_comp
-                    row[f"{key}_bytes_held"] = int(cm.cache.bytes_held().sum())
+                    row[f"{key}_bytes_held"] = cm.cache_stats()["bytes_held"]
                     steps_of[key], reserve[key] = kv_steps(cm, token, room)
-            del snap
             for name, times in interleaved(steps_of, args.rounds, args.steps).items():
                 row[f"{name}_rounds_ms"] = [(t + reserve[name]) * 1e3 for t in times]
                 row[f"{name}_decode_ms"] = statistics.median(row[f"{name}_rounds_ms"])

@@ -19,6 +19,7 @@ import torch
 
 from kvcompile.cache import PagedKVCache
 from kvcompile.kernels import reference
+from kvcompile.plan import Plan
 from kvcompile.kernels.triton_compact import compact
 from kvcompile.kernels.triton_decode import paged_decode
 
@@ -37,13 +38,13 @@ def random_cache(B, Hkv, lengths, P, D, dtype, gen, device):
     cache.reserve(n)
     owned = cache.page_table > 0
     perm = torch.randperm(int(owned.sum()), generator=gen).to(device)
-    cache.page_table[owned] = cache.page_table[owned][perm]
+    cache.page_table[owned] = cache.page_table[owned][perm]  # kernel input: the heads' pages scattered in the pool
     k = torch.randn(B, Hkv, n, D, generator=gen).to(device, dtype)
     v = torch.randn(B, Hkv, n, D, generator=gen).to(device, dtype)
-    slots = cache.slots_for(torch.ones(B, n, dtype=torch.bool, device=device))[0]
-    pos = torch.arange(n, device=device).expand(B, n)
-    reference.write_tokens(cache.k_pages, cache.v_pages, cache.page_pos, k, v, pos, slots)
-    cache.lengths[0] = lengths.to(device, torch.int32)
+    step = cache.append(torch.ones(B, n, dtype=torch.bool, device=device))
+    reference.write_tokens(cache.k_pages, cache.v_pages, cache.page_pos, k, v, step.q_pos, step.slots[0])
+    keep = torch.arange(n, device=device).expand(1, B, Hkv, n)
+    cache.keep(Plan(keep, lengths[None].to(device)), shrink=False)
     return cache
 
 

@@ -65,7 +65,6 @@ def reference(base, ids, tokens, timed, temperature, u):
     cm = kvcompile.apply(base, budget=1.0, recipe="full")
     logits = cm.prefill(ids, logits="last")[:, -1]
     cm.cache.reserve(tokens)
-    cm._room = tokens
     out, logps, top, held, seconds = [], [], [], [], []
     for step in tqdm(range(tokens), desc="full cache", mininterval=30):
         logps.append(torch.log_softmax(logits.float(), -1)[0])

@@ -1,11 +1,12 @@
 """kvcompile: compile-time KV-cache compression that really holds only its budget.
 
 The path of one token: ``apply`` captures the model (``capture.capture``), reads its attention geometry
-(``spec.ModelSpec``) and returns a ``CompressedModel`` (``runtime``), which rewrites the captured graph twice
-(``passes.rewrite``: a prefill and a decode program whose attention ops live in ``ops``) over one
-``cache.PagedKVCache``. ``CompressedModel.generate`` -> ``prefill``/``decode`` -> the program's ops write K/V into
-pages and attend (``kernels``) -> ``compress.compress`` scores (``methods``), allocates and compacts to the budget.
-``export``/``load`` (``artifact``) ship the two programs as AOTInductor packages.
+(``spec.ModelSpec``), rewrites the captured graph once into prefill and decode programs (``programs.Programs``,
+``passes.rewrite``; their attention ops live in ``ops``) and returns a ``CompressedModel`` (``model``) over one
+``cache.PagedKVCache``. ``CompressedModel.generate`` (``generation``) -> ``prefill``/``decode`` ->
+``PagedKVCache.append`` says where the new tokens go -> ``Programs.run``: the ops write K/V into pages and attend
+(``kernels``) -> ``compress.compress`` scores (``methods``), allocates and plans (``plan``), and the cache keeps the
+plan (``PagedKVCache.keep``). ``export``/``load`` (``artifact``) ship the programs as AOTInductor packages.
 
 Example::
 
@@ -19,11 +20,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from . import checks, observation
 from .artifact import export, load
 from .budget import Budget
-from .capture import capture
+from .model import CompressedModel
+from .programs import Programs
 from .recipes import Recipe, get_recipe, recipes
-from .runtime import CompressedModel, Programs
 from .spec import ModelSpec
 
 __all__ = ["apply", "CompressedModel", "Budget", "Recipe", "recipes", "load_model", "export", "load"]
@@ -55,33 +57,32 @@ def apply(
     prefill_chunk: prefill long prompts this many tokens at a time, compressing between chunks, so the cache
         peaks near budget + one chunk.
     compile: ``True`` sends the rewritten prefill and decode programs through ``torch.compile`` (Inductor,
-        ``fullgraph=True``; decode with static shapes, in a CUDA graph on CUDA); a backend name or callable
-        picks another backend.
+        ``fullgraph=True``; prefill with dynamic shapes; decode compiles once per batch size, in a CUDA graph on
+        CUDA); a backend name or callable picks another backend.
 
     Example: ``kvcompile.apply(model, budget=0.25, recipe="adakv-snapkv")``.
     """
     budget = Budget.parse(budget)
     recipe = get_recipe(recipe)
-    recipe.build()  # bad recipe parameters fail here, before any capture
+    scorer, _ = recipe.build()  # bad recipe parameters fail here, before any capture
+    if scorer is not None:
+        observation.check(scorer.sources(), f"recipe {recipe.name!r}")
     if recipe.scorer is None and not budget.is_full:
         raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
-    if not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if prefill_chunk is not None and (not isinstance(prefill_chunk, int) or prefill_chunk < 1):
-        raise ValueError(f"prefill_chunk must be a positive int or None, got {prefill_chunk!r}")
-    if isinstance(model, CompressedModel):  # re-target: same captured graph, new recipe or budget (no re-capture)
+    checks.positive_int("page_size", page_size)
+    checks.positive_int("prefill_chunk", prefill_chunk, allow_none=True)
+    if isinstance(model, CompressedModel):  # re-target: same programs, new recipe or budget (nothing rewritten)
         if model.programs.captured is None:
             raise ValueError("this CompressedModel was loaded from an exported artifact and cannot be re-targeted")
-        spec, captured, gen_config = model.spec, model.programs.captured, model.generation_config
+        spec, programs, gen_config, source = model.spec, model.programs, model.generation_config, model.source
     elif isinstance(model, nn.Module):
         spec = ModelSpec.from_model(model)
-        captured, gen_config = capture(model, spec), getattr(model, "generation_config", None)
+        programs, gen_config, source = Programs.of(model, spec), getattr(model, "generation_config", None), model
     else:
         raise TypeError(f"apply() takes an nn.Module, got {type(model).__name__}")
-    programs = Programs.rewrite(captured, spec, compile=compile)
     return CompressedModel(
-        programs, spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk, generation_config=gen_config,
-        device=next(captured.parameters()).device,
+        programs.compile(compile), spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk,
+        generation_config=gen_config, device=next(programs.captured.parameters()).device, source=source,
     )
 
 

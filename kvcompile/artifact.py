@@ -4,7 +4,7 @@ layout and recipe; ``load`` rebuilds a ``CompressedModel`` from them in any proc
 The artifact is a folder::
 
     prefill.pt2, prefill_last.pt2, decode.pt2
-                              AOTInductor packages: (input_ids, position_ids, q_pos, slots, *cache) -> logits
+                              AOTInductor packages: (*signature.INPUTS) -> logits
                               (``backend="tensorrt"``: ``*.ep``, exported programs holding TensorRT engines)
     kvcompile.json            spec (geometry, dtype, windows), per-layer scales, recipe, budget, page size
 
@@ -21,14 +21,16 @@ from pathlib import Path
 
 import torch
 
-from . import passes
 from .budget import Budget
 from .cache import PagedKVCache
+from .model import CompressedModel
+from .programs import Programs
 from .recipes import Recipe
-from .runtime import CompressedModel, Programs
+from .signature import INPUTS
 from .spec import ModelSpec
 
-_FORMAT = 1
+_FORMAT = 2  # 2: the ring's slots are an input and its length is dynamic
+_NAMES = ("prefill", "prefill_last", "decode")
 _SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}
 
 
@@ -42,26 +44,30 @@ def _require_tensorrt(device: torch.device) -> None:
         raise ValueError(f"backend='tensorrt' needs the model on a CUDA device; it is on {device.type}")
 
 
-def _example(cm: CompressedModel, tokens: int):
-    """Inputs of the right ranks and dtypes for tracing (their values do not matter)."""
+def _example(cm: CompressedModel, tokens: int, ring: int):
+    """Inputs of the right ranks and dtypes for tracing (their values do not matter): two rows, a pool of a few
+    pages, ``ring`` ring slots."""
     spec, B = cm.spec, 2
-    cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
-                         page_size=cm.cache.page_size, obs_window=cm.cache.obs_window, device=cm.device)
+    cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=cm.cache.dtype,
+                         page_size=cm.cache.page_size, device=cm.device)
     cache.setup(B)
     cache.reserve(2 * cache.page_size)
-    real = torch.ones(B, tokens, dtype=torch.bool, device=cm.device)
+    cache.ring.resize(ring)
+    step = cache.append(torch.ones(B, tokens, dtype=torch.bool, device=cm.device), observe=ring)
     ids = torch.zeros(B, tokens, dtype=torch.long, device=cm.device)
-    pos = torch.arange(tokens, device=cm.device).expand(B, tokens).contiguous()
-    return (ids, pos, pos.clone(), cache.slots_for(real), *[getattr(cache, n) for n in passes.CACHE_BUFFERS])
+    return (ids, step.position_ids, step.q_pos, step.slots, step.ring_slots, *cache.program_tensors())
+
+
+_RANGES = {"batch": (1, 4096), "tokens": (1, 1 << 20), "pages": (2, 1 << 24), "width": (2, 1 << 20), "ring": (0, 1 << 20)}
 
 
 def _dynamic_shapes(decode: bool):
-    batch = torch.export.Dim("batch", min=1, max=4096)
-    pages = torch.export.Dim("pages", min=2, max=1 << 24)
-    width = torch.export.Dim("max_pages", min=1, max=1 << 20)
-    tok = {0: batch} if decode else {0: batch, 1: torch.export.Dim("tokens", min=1, max=1 << 20)}
-    slots = {1: batch} if decode else {1: batch, 3: tok[1]}
-    return (tok, tok, tok, slots, {0: pages}, {0: pages}, {0: pages}, {1: batch, 3: width}, {1: batch}, {1: batch})
+    """``signature.INPUTS``' varying sizes as ``torch.export`` dimensions. A decode program has one token and a
+    fixed ring (the recipe's decode window: its op writes the ring only when there is one); the prefill op is
+    opaque, so its ring may be any length, 0 included."""
+    dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in _RANGES.items()}
+    static = ("tokens", "ring") if decode else ()
+    return tuple({d: dims[n] for d, n in i.dims if n not in static} for i in INPUTS)
 
 
 def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
@@ -80,11 +86,11 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         _require_tensorrt(cm.device)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    for name in Programs.NAMES:
+    for name in _NAMES:
         decode = name == "decode"
         program = getattr(cm.programs, name)
         program = getattr(program, "_orig_mod", program)  # the eager graph under a torch.compile wrapper
-        example = _example(cm, 1 if decode else 8)
+        example = _example(cm, 1 if decode else 8, cm.decode_window if decode else 2)
         file = out / f"{name}{_SUFFIX[backend]}"
         with torch.no_grad():
             ep = torch.export.export(program, example, dynamic_shapes=_dynamic_shapes(decode), strict=False)
@@ -101,7 +107,8 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         "format": _FORMAT,
         "backend": backend,
         "spec": spec,
-        "scales": cm.programs.scales,
+        "scales": [layer.scale for layer in cm.programs.layers],
+        "vocab_size": cm.programs.vocab_size,
         "recipe": dataclasses.asdict(cm.recipe),
         "budget": dataclasses.asdict(cm.budget),
         "page_size": cm.cache.page_size,
@@ -130,12 +137,13 @@ def load(path, *, device: str = "cpu") -> CompressedModel:
     backend = meta.get("backend", "aoti")
     if backend == "tensorrt":
         _require_tensorrt(torch.device(device))
-        runners = [torch.export.load(str(folder / f"{n}.ep")).module() for n in Programs.NAMES]
+        runners = [torch.export.load(str(folder / f"{n}.ep")).module() for n in _NAMES]
     else:
-        runners = [torch._inductor.aoti_load_package(str(folder / f"{n}.pt2")) for n in Programs.NAMES]
-    programs = Programs(*runners, meta["scales"], captured=None)
+        runners = [torch._inductor.aoti_load_package(str(folder / f"{n}.pt2")) for n in _NAMES]
+    spec = ModelSpec(**spec)
+    programs = Programs(*runners, None, spec.layers(meta["scales"]), meta["vocab_size"])
     return CompressedModel(
-        programs, ModelSpec(**spec), Recipe(**meta["recipe"]), Budget(**meta["budget"]),
+        programs, spec, Recipe(**meta["recipe"]), Budget(**meta["budget"]),
         page_size=meta["page_size"], prefill_chunk=meta["prefill_chunk"],
         generation_config=_GenerationConfig(meta["eos_token_id"]), device=device,
     )

@@ -1,8 +1,9 @@
-"""Compression of a filled cache: score -> allocate -> fit to whole pages -> select top-k -> compact -> free pages.
+"""Prefill compression: score -> allocate -> plan (by the allocator's declared strategy) -> ``PagedKVCache.keep``.
 
-Two allocator flags (``methods.base.Allocator``) vary the middle steps: ``page_granular`` allocates and keeps
-whole pages (scores projected onto pages by their max), and ``tail_summary`` spends the last counted slot of a head
-that evicts on one summary row of its evicted tail, written after the kept tokens.
+Strategies (``STRATEGIES``, named by ``methods.Allocator.strategy``): ``tokens`` keeps each head's top tokens;
+``pages`` allocates and keeps whole pages (scores projected onto pages by their max); ``tail-summary`` spends the
+last counted slot of a head that evicts on one new entry summarising its evicted tail. Every one ends in a
+``plan.Plan`` whose budget holds after page rounding.
 """
 
 from __future__ import annotations
@@ -11,33 +12,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import ops
 from .cache import PagedKVCache
-from .kernels import reference
-from .methods import Allocator, Observation, Scorer
+from .methods import Allocator, Scorer
+from .methods.base import _PINNED
+from .observation import observe
+from .plan import NewEntries, Plan, pinned_levels, rank, select
+from .spec import LayerSpec
 
 
-def observe(cache: PagedKVCache, layer: int, scale: float, window: int) -> Observation:
-    keys, values, positions, valid = cache.dense(layer)
-    return Observation(
-        keys, values, positions, valid, cache.obs_q[layer], cache.obs_pos, scale, window, layer, cache.num_layers
-    )
-
-
-def score_all(cache: PagedKVCache, scorer: Scorer, scales, windows, allocator: Allocator | None = None):
+def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...], allocator: Allocator | None = None):
     """[L, B, Hkv, S] scores, -inf where a head holds nothing (S is the longest head of any layer), and the
     allocator's ``layer_stats`` stacked over layers (None when it needs none)."""
     S = int(cache.lengths.max())
     out = torch.full((*cache.lengths.shape, S), float("-inf"), device=cache.device)
     stats = []
-    for layer in range(cache.num_layers):
-        obs = observe(cache, layer, scales[layer], windows[layer])
+    for layer in layers:
+        obs = observe(cache, layer)
         s = scorer.score(obs).float().nan_to_num(0.0, posinf=torch.finfo(torch.float32).max)
         s = s.clamp_min(-torch.finfo(torch.float32).max).masked_fill(~obs.valid, float("-inf"))
-        out[layer, :, :, : s.shape[-1]] = s[..., :S]
+        out[layer.index, :, :, : s.shape[-1]] = s[..., :S]
         if allocator is not None:
-            stats.append(allocator.layer_stats(obs, out[layer]))
-    return out, (None if not stats or stats[0] is None else torch.stack(stats))
+            stats.append(allocator.layer_stats(obs, out[layer.index]))
+    return out, (() if not stats or stats[0] is None else (torch.stack(stats),))
 
 
 def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int) -> Tensor:
@@ -59,94 +55,51 @@ def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int) -> Tensor:
     return flat.reshape(B, L, Hkv).permute(1, 0, 2).contiguous()
 
 
-def top_mask(scores: Tensor, counts: Tensor) -> Tensor:
-    """[..., S] bool: each head's ``counts`` [...] highest scores (ties go to the earlier token)."""
-    rank = scores.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-    return rank < counts[..., None]
+def token_counts(cache: PagedKVCache, allocator: Allocator, scores: Tensor, stats, budget_bytes: Tensor) -> Tensor:
+    """[L, B, Hkv] tokens each head keeps: the allocator's counts, at most what it holds, fit to whole pages."""
+    lengths = cache.lengths.long()
+    counts = allocator.allocate(scores, lengths, budget_bytes // cache.token_bytes, *stats)
+    return fit_to_pages(counts.long().clamp(min=0).minimum(lengths), budget_bytes // cache.page_bytes, cache.page_size)
 
 
-def kept_indices(kept: Tensor) -> Tensor:
-    """Logical indices [..., K] of the ``kept`` [..., S] tokens, ascending; K is the most any head keeps."""
-    S = kept.shape[-1]
-    idx = torch.arange(S, device=kept.device).expand_as(kept)
-    K = max(int(kept.sum(-1).max()), 1)
-    return torch.where(kept, idx, S).sort(-1).values[..., :K]
+def plan_tokens(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+    """Each head keeps its ``token_counts`` best tokens, pinned ones first."""
+    counts = token_counts(cache, allocator, scores, stats, budget_bytes)
+    return select(scores, counts, pinned_levels(scores, _PINNED))
 
 
-def keep_pages(allocator: Allocator, scores: Tensor, lengths: Tensor, max_pages: Tensor, page_size: int, *stats):
-    """Page-granular selection: [L, B, Hkv, S] bool keeping whole logical pages, at most ``max_pages`` [B] per
-    sequence. A page scores the max of its tokens; a head's last page may be partial (it still costs a page)."""
-    S, P = scores.shape[-1], page_size
+def plan_pages(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+    """Whole logical pages, at most the budget's pages per sequence. A page scores the max of its tokens; a head's
+    last page may be partial (it still costs a page)."""
+    S, P = scores.shape[-1], cache.page_size
     n_pages = -(-S // P)
     page_scores = F.pad(scores, (0, n_pages * P - S), value=float("-inf")).unflatten(-1, (n_pages, P)).amax(-1)
-    held = (lengths + P - 1) // P
-    pages = allocator.allocate(page_scores, held, max_pages, *stats).long().clamp(min=0).minimum(held)
-    kept = top_mask(page_scores, pages).repeat_interleave(P, dim=-1)[..., :S]
-    return kept & (scores > float("-inf"))
+    held = cache.pages_held()
+    pages = allocator.allocate(page_scores, held, budget_bytes // cache.page_bytes, *stats).long().clamp(min=0)
+    kept = rank(page_scores) < pages.minimum(held)[..., None]
+    return Plan.of_mask(kept.repeat_interleave(P, dim=-1)[..., :S] & (scores > float("-inf")))
 
 
-def summaries(cache: PagedKVCache, allocator: Allocator, kept: Tensor, scales, windows):
-    """Each head's summary row of its evicted tokens, from the dense cache before compaction: keys, values
-    [L, B, Hkv, D] and positions [L, B, Hkv]."""
-    out = []
-    for layer in range(cache.num_layers):
-        obs = observe(cache, layer, scales[layer], windows[layer])
-        evicted = obs.valid & ~F.pad(kept[layer], (0, obs.valid.shape[-1] - kept.shape[-1]), value=False)
-        out.append(allocator.summarize(obs, evicted))
-    return [torch.stack(x) for x in zip(*out)]
+def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+    """``plan_tokens`` with the last counted slot of every head that evicts spent on a summary of its evicted tail
+    (``Allocator.summarize``, from the dense cache before compaction), written after the kept tokens."""
+    counts = token_counts(cache, allocator, scores, stats, budget_bytes)
+    summary = ((counts < cache.lengths) & (counts > 0)).long()
+    kept = rank(scores, pinned_levels(scores, _PINNED)) < (counts - summary)[..., None]
+    rows = []
+    for layer in layers:
+        obs = observe(cache, layer)
+        evicted = obs.valid & ~F.pad(kept[layer.index], (0, obs.valid.shape[-1] - kept.shape[-1]), value=False)
+        rows.append(allocator.summarize(obs, evicted))
+    keys, values, positions = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv]
+    new = NewEntries(keys[..., None, :], values[..., None, :], positions[..., None], summary)
+    return Plan.of_mask(kept, new=new)
 
 
-def write_rows(cache: PagedKVCache, index: Tensor, where: Tensor, keys: Tensor, values: Tensor, positions: Tensor):
-    """Write one row per head at logical ``index`` [L, B, Hkv] where ``where`` [L, B, Hkv] holds (the page must be
-    owned). keys, values [L, B, Hkv, D]; positions [L, B, Hkv]."""
-    L, B, Hkv = index.shape
-    D = cache.head_dim
-    rows = reference.rows_of(cache.page_table.reshape(L * B, Hkv, -1), index.reshape(L * B, Hkv, 1), cache.page_size)
-    rows, where = rows.reshape(-1)[where.reshape(-1)], where.reshape(-1)
-    cache.k_pages.view(-1, D).index_copy_(0, rows, keys.reshape(-1, D)[where].to(cache.dtype))
-    cache.v_pages.view(-1, D).index_copy_(0, rows, values.reshape(-1, D)[where].to(cache.dtype))
-    cache.page_pos.view(-1).index_copy_(0, rows, positions.reshape(-1)[where].to(cache.page_pos.dtype))
+STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary}
 
 
-def compact_heads(cache: PagedKVCache, keep: Tensor, counts: Tensor) -> None:
-    """Move each head's first ``counts`` [L, B, Hkv] tokens of ``keep`` [L, B, Hkv, K] (ascending logical indices)
-    to the front of its pages (``ops.compact``); lengths and pages are the caller's to update."""
-    L, B, Hkv = counts.shape
-    ops.compact(
-        cache.k_pages, cache.v_pages, cache.page_pos,
-        cache.page_table.reshape(L * B, Hkv, -1), keep.reshape(L * B, Hkv, -1), counts.reshape(L * B, Hkv),
-    )
-
-
-def compress(
-    cache: PagedKVCache,
-    scorer: Scorer,
-    allocator: Allocator,
-    budget_bytes: Tensor,
-    scales,
-    windows,
-    spare_pages: int = 0,
-) -> None:
+def compress(cache: PagedKVCache, scorer: Scorer, allocator: Allocator, budget_bytes: Tensor, layers) -> None:
     """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place."""
-    lengths = cache.lengths.long()
-    max_pages = budget_bytes // cache.page_bytes
-    scores, stats = score_all(cache, scorer, scales, windows, allocator)
-    stats = () if stats is None else (stats,)
-    rows = None
-    if allocator.page_granular:
-        kept = keep_pages(allocator, scores, lengths, max_pages, cache.page_size, *stats)
-        counts = real = kept.sum(-1)
-    else:
-        counts = allocator.allocate(scores, lengths, budget_bytes // cache.token_bytes, *stats)
-        counts = fit_to_pages(counts.long().clamp(min=0).minimum(lengths), max_pages, cache.page_size)
-        summary = (counts < lengths) & (counts > 0) & allocator.tail_summary  # the last counted slot summarises
-        real = counts - summary.long()
-        kept = top_mask(scores, real)
-        if allocator.tail_summary:
-            rows = summaries(cache, allocator, kept, scales, windows)
-    compact_heads(cache, kept_indices(kept), real)
-    if rows is not None:  # after compaction, so the row lands right after the kept tokens
-        write_rows(cache, real, summary, *rows)
-    cache.lengths = counts.to(torch.int32)
-    cache.release_unused()
-    cache.trim(spare_pages)
+    scores, stats = score_all(cache, scorer, layers, allocator)
+    cache.keep(STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers))

@@ -1,8 +1,8 @@
 """The custom ops the rewritten graph calls, registered with ``torch.library``.
 
 Each attention op replaces one scaled-dot-product-attention node and does, for its layer: write the new K/V
-into the pages the cache reserved for them, remember the last W queries in the ring ``obs_q`` (what window
-scorers and decode-time policies read; see ``ring_slots``), and attend from the new queries over every token the
+into the pages the cache reserved for them (padding writes zeros to the scratch page), write the new queries into
+the observation ring at the slots the cache chose (``cache.QueryRing``), and attend from the new queries over every token the
 layer's KV heads hold (causal by original position, optionally sliding-window).
 ``prefill_attention`` and ``decode_attention`` share that contract; they differ in the kernel a backend picks
 (decode is one query per row, the case the paged decode kernel is built for). ``decode_attention_packed`` may
@@ -11,8 +11,8 @@ the reference reads each layer's pages as one slice of the pool instead of gathe
 of every head to the front of its own pages.
 
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
-slots [L, B, Hkv, T] pool rows for the new tokens (``PagedKVCache.slots_for``). Cache tensors as in
-``kvcompile.cache``. Every op has a pure-PyTorch implementation (CPU, and the oracle in tests); on CUDA the
+slots [L, B, Hkv, T] pool rows for the new tokens and ring_slots [B, T] ring slots (``PagedKVCache.append``);
+obs_q the ring's queries [L, B, Hq, C, D]. Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch implementation (CPU, and the oracle in tests); on CUDA the
 decode attention and the compaction run the Triton kernels of ``kvcompile.kernels``.
 """
 
@@ -28,46 +28,24 @@ from .kernels import reference
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
 
 
-def ring_slots(q_pos: Tensor, window: int) -> Tensor:
-    """Ring slot [B, T] of each new query: its position mod W, or W (nowhere) for padding and for queries that
-    W newer ones in the same call push out. Slot s then always holds the newest query at a position = s (mod W),
-    so the ring holds the last W queries of the row across calls (chunked prefill, decode) without shifting."""
-    newest = q_pos.amax(-1, keepdim=True)
-    kept = (q_pos >= 0) & (q_pos > newest - window)
-    return torch.where(kept, q_pos % window, window)
+def _observe(obs_q: Tensor, layer: int, q: Tensor, ring_slots: Tensor, decode: bool) -> None:
+    """Write this layer's new queries into the ring slots the cache chose (``QueryRing.slots``; C = nowhere).
 
-
-def ring_write(ring: Tensor, slot: Tensor, new: Tensor, dim: int) -> Tensor:
-    """A copy of ``ring`` (W slots along ``dim``) with ``new`` written at ``slot`` (shaped like ``new``; W: dropped)."""
-    pad = list(ring.shape)
-    pad[dim] = 1
-    out = torch.cat([ring, ring.new_zeros(pad)], dim).scatter_(dim, slot, new.to(ring.dtype))
-    return out.narrow(dim, 0, ring.shape[dim])
-
-
-def narrow_ring(obs_q: Tensor, obs_pos: Tensor, window: int) -> tuple[Tensor, Tensor]:
-    """The ring of each row's ``window`` newest observed queries, laid out for that width: obs_q [L, B, Hq, w, D],
-    obs_pos [B, w] (what a cache that kept only ``window`` queries would hold)."""
-    L, B, Hq, W, D = obs_q.shape
-    if window == 0:
-        return obs_q[:, :, :, :0].contiguous(), obs_pos[:, :0].contiguous()
-    slot = ring_slots(obs_pos, window)  # [B, W]
-    q = obs_q.new_zeros(L, B, Hq, window, D)
-    q = ring_write(q, slot[None, :, None, :, None].expand(L, B, Hq, W, D), obs_q, dim=3)
-    return q, ring_write(obs_pos.new_full((B, window), -1), slot, obs_pos, dim=1)
-
-
-def _observe(obs_q: Tensor, layer: int, q: Tensor, q_pos: Tensor, decode: bool) -> None:
-    """Write this layer's new queries into its ring of the last W queries (``ring_slots``)."""
-    B, Hq, T, D = q.shape
-    W = obs_q.shape[3]
-    if W == 0:
+    Written with ``index_put_`` on the ring itself, not through a view of it: under ``torch.compile`` a write
+    through a view makes Inductor clone the whole tensor every step."""
+    L, B, Hq, C, D = obs_q.shape
+    if C == 0:
         return
-    if decode:  # one real query per row: write its slot in place, O(B * Hq * D) per step
-        obs_q[layer].scatter_(2, (q_pos % W)[:, None, :, None].expand(B, Hq, 1, D), q.to(obs_q.dtype))
+    heads = torch.arange(Hq, device=q.device)
+    if decode:  # one real query per row, always kept: O(B * Hq * D) per step
+        b = torch.arange(B, device=q.device)[:, None].expand(B, Hq)
+        at = (torch.full_like(b, layer), b, heads.expand(B, Hq), ring_slots.expand(B, Hq))
+        obs_q.index_put_(at, q[:, :, 0].to(obs_q.dtype))
         return
-    slot = ring_slots(q_pos, W)[:, None, :, None].expand(B, Hq, T, D)
-    obs_q[layer].copy_(ring_write(obs_q[layer], slot, q, dim=2))
+    row, t = (ring_slots < C).nonzero(as_tuple=True)  # prefill is an opaque op: data-dependent shapes are fine
+    b, h = row[:, None].expand(-1, Hq), heads.expand(row.numel(), Hq)
+    at = (torch.full_like(b, layer), b, h, ring_slots[row, t][:, None].expand(-1, Hq))
+    obs_q.index_put_(at, q[row, :, t].to(obs_q.dtype))
 
 
 def _on_gpu(t: Tensor) -> bool:
@@ -76,10 +54,11 @@ def _on_gpu(t: Tensor) -> bool:
 
 
 def _attend(
-    q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window, packed, decode
+    q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window,
+    packed, decode,
 ):
     reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
-    _observe(obs_q, layer, q, q_pos, decode)
+    _observe(obs_q, layer, q, ring_slots, decode)
     args = (q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window)
     if decode and _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not
         from .kernels.triton_decode import paged_decode
@@ -101,13 +80,13 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
 
     @register(f"kvcompile::{name}", mutates_args=_MUTATED)
     def op(
-        q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor,
+        q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
         layer: int, scale: float, window: int,
     ) -> Tensor:
         return _attend(
-            q, k, v, q_pos, slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window,
-            packed, decode,
+            q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale,
+            window, packed, decode,
         )
 
     if not decode:  # a triton_op's own body is its fake kernel

@@ -4,25 +4,23 @@ A recipe's ``decode`` entry describes a ``DecodeSchedule``. The runtime calls ``
 first decode step after a prefill and ``DecodeCompressor.step`` after every decode step; after the first decode
 step and then every ``every`` steps, ``run``:
 
-1. lets the policy (``methods.decoding``) fold the queries the decode ops wrote into the ring ``obs_q`` since the
+1. lets the policy (``methods.decoding``) fold the queries the decode ops wrote into the observation ring since the
    previous run, and score every held token, layer by layer;
 2. asks the policy how many tokens each head keeps: the cap minus ``every`` (room for the tokens until the next
    run), so no head ever holds more than the cap (GrowPage shares the sequence's cap unevenly instead);
-3. keeps the protected spans first (recent window > sinks > prompt), then the top scores; compacts them with
-   ``ops.compact``, gives up the freed pages (``release_unused``), and moves the policy's
-   per-token state along with the tokens;
-4. reserves room for the next ``every`` tokens in the pages given up (the pool keeps its size).
+3. keeps the protected levels first (recent window > sinks > prompt), then the top scores: one ``plan.Plan``,
+   applied by ``PagedKVCache.keep`` (the pool keeps its size), moving the policy's per-token state along;
+4. reserves room for the next ``every`` tokens in the pages given up.
 
 The cap is the model's budget, per sequence: a token count is tokens per KV head, a byte size is spread evenly over
 (layer, KV head), a fraction is that fraction of the tokens the row has seen. ``start`` sizes the pool for the cap
-once (``resize``); with a token or byte cap the pool tensors and the page table then keep one shape for the whole
-generation, so a compiled decode program never recompiles (a fraction cap grows the pool as it grows). Runs sync
-with the host; decode steps do not.
+once (``PagedKVCache.provision``); a fraction cap grows it by at most ``GROWTH`` at a time as the cap grows. The
+ring keeps only the window the policy reads. Runs sync with the host; decode steps do not.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -30,10 +28,11 @@ from torch import Tensor, nn
 
 from .budget import Budget
 from .cache import PagedKVCache
-from .compress import compact_heads, kept_indices, observe
 from .methods.decoding import POLICIES, DecodePolicy, LayerState
+from .observation import observe
+from .plan import EMPTY, PROMPT, RECENT, SCORED, SINK, select
 
-RECENT, SINK, PROMPT, SCORED = 3, 2, 1, 0  # protection levels: a higher level is kept first
+GROWTH = 1.1  # how much a fraction cap grows the pool at a time: storage stays within ~1.1x the cap
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,21 @@ class DecodeSchedule:
         """Queries per layer the decode ops must keep in the ring for the policy."""
         return self.build().ring(self.every)
 
+    def fitted(self, cap: int) -> "DecodeSchedule":
+        """This schedule for a cap of ``cap`` tokens per KV head: ``every`` and ``recent`` scaled down together
+        (every >= 1) when every + recent + sinks does not fit under the cap; raises, naming what to change, when
+        not even one scored slot fits beside the sinks."""
+        room = cap - self.sinks - 1
+        if self.every + self.recent <= room:
+            return self
+        if room < 1:
+            raise ValueError(
+                f"a decode cap of {cap} tokens per KV head leaves no room beside the schedule's {self.sinks} sinks; "
+                f"raise the budget to at least {self.sinks + 2} tokens per KV head or lower the recipe's decode sinks"
+            )
+        every = max(1, self.every * room // (self.every + self.recent))
+        return dataclasses.replace(self, every=every, recent=min(self.recent, room - every))
+
     def build(self) -> DecodePolicy:
         try:
             return POLICIES[self.policy](**self.args)
@@ -77,55 +91,51 @@ class DecodeSchedule:
 
 class DecodeCompressor:
     """Runs one ``DecodeSchedule`` over a ``PagedKVCache``; the policy's state lives here from one ``start`` to
-    the next. ``scales``/``windows``: per-layer softmax scale and sliding window."""
+    the next. ``layers``: the model's ``LayerSpec``s."""
 
-    def __init__(self, schedule: DecodeSchedule, budget: Budget, scales, windows):
-        self.schedule, self.budget, self.scales, self.windows = schedule, budget, scales, windows
+    def __init__(self, schedule: DecodeSchedule, budget: Budget, layers):
+        self.requested, self.schedule, self.budget, self.layers = schedule, schedule, budget, layers
         self.policy = schedule.build()
 
-    def start(self, cache: PagedKVCache, seen: Tensor) -> int:
-        """Before the first decode step after a prefill: forget earlier signals, size the pool for the cap.
-        ``seen`` [B]: tokens read so far. Returns the tokens every head can take before the next reservation."""
-        sched = self.schedule
-        if cache.obs_window < sched.observation_window:
-            raise ValueError(
-                f"decode policy {sched.policy!r} reads the last {sched.observation_window} queries but the cache keeps "
-                f"{cache.obs_window}; build the model with this recipe (kvcompile.apply) rather than forking one"
-            )
+    def start(self, cache: PagedKVCache) -> None:
+        """Before the first decode step after a prefill: forget earlier signals, fit the schedule to the cap, size
+        the pool and the ring for it. Raises before changing anything when the cap cannot hold the schedule."""
+        seen = cache.seen
+        ceiling = self.ceiling(cache, seen + 1)
+        self.schedule = self.requested.fitted(int(ceiling.min()))
         self.prompt_end, self.folded = seen.clone(), seen - 1  # prefill queries are not decode signals
         self.states = [LayerState() for _ in range(cache.num_layers)]
         self.steps = 0
-        ceiling = self._ceiling(cache, seen + 1)
-        if bool((ceiling - sched.every < sched.recent + sched.sinks + 1).any()):
-            raise ValueError(
-                f"decode cap of {ceiling.min().item()} tokens per KV head is too small for the schedule: it must "
-                f"exceed every ({sched.every}) + recent ({sched.recent}) + sinks ({sched.sinks}); raise the budget"
-            )
-        room = (ceiling - cache.lengths.amax((0, 2))).clamp_min(0)
-        cache.reserve(room)
-        self._provision(cache, ceiling)
-        return int(room.min())
+        cache.observe(self.schedule.observation_window, exact=True)
+        cache.reserve((ceiling - cache.lengths.amax((0, 2))).clamp_min(1))
+        L, B, Hkv = cache.lengths.shape
+        P, share = cache.page_size, self.policy.max_share
+        if share > 1:  # heads share the row's cap unevenly: its tokens, plus one partial page per head
+            pages = int((-(-ceiling * L * Hkv // P)).sum()) + L * B * Hkv
+        else:  # every head at most at the cap
+            pages = L * Hkv * int((-(-ceiling // P)).sum())
+        cache.provision(1 + pages, -(-int(share * int(ceiling.max())) // P))
 
     def until_run(self) -> int:
         """Decode steps from now up to and including the one after which the next run is due."""
         return -self.steps % self.schedule.every + 1
 
-    def step(self, cache: PagedKVCache, seen: Tensor, n: int = 1) -> int | None:
+    def step(self, cache: PagedKVCache, n: int = 1) -> int | None:
         """After ``n`` decode steps (at most ``until_run()``): run when one is due. Returns the bytes held just
         before the run (the peak since the previous run), or None when no run was due."""
         self.steps += n
         if (self.steps - 1) % self.schedule.every:
             return None
-        return self.run(cache, seen)
+        return self.run(cache)
 
-    def run(self, cache: PagedKVCache, seen: Tensor) -> int:
-        """Fold signals, evict every head to its count, free and re-reserve pages; returns the bytes held before."""
-        sched = self.schedule
+    def run(self, cache: PagedKVCache) -> int:
+        """Fold signals, evict every head to its count, re-reserve pages; returns the bytes held before."""
+        sched, seen = self.schedule, cache.seen
         held = int(cache.bytes_held().sum())
         newest = seen - 1
         scores, levels = [], []
-        for layer, state in enumerate(self.states):
-            obs = observe(cache, layer, self.scales[layer], self.windows[layer])
+        for layer, state in zip(self.layers, self.states):
+            obs = observe(cache, layer)
             state.tokens = _fit(state.tokens, obs.positions)
             fresh = obs.query_positions > self.folded[:, None]
             s = self.policy.score(state, obs, fresh).float().nan_to_num(0.0)
@@ -133,57 +143,33 @@ class DecodeCompressor:
             levels.append(self._levels(obs, newest))
         self.folded = newest
         lengths = cache.lengths.long()
-        target = self._ceiling(cache, seen) - sched.every
+        target = self.ceiling(cache, seen) - sched.every
         counts = self.policy.allocate(self.states, lengths, target, sched.every).long().clamp_min(0).minimum(lengths)
         if bool((counts < lengths).any()):
-            self._evict(cache, torch.stack(scores), torch.stack(levels), counts)
+            plan = select(torch.stack(scores), counts, torch.stack(levels))
+            cache.keep(plan, shrink=False)
+            S = scores[0].shape[-1]
+            for layer, state in enumerate(self.states):
+                state.tokens = state.tokens.gather(-1, plan.keep[layer].clamp_max(S - 1))
         for layer, state in enumerate(self.states):  # tokens appended from now on are new to the policy
             idx = torch.arange(state.tokens.shape[-1], device=cache.device)
             state.tokens = state.tokens.masked_fill(idx >= cache.lengths[layer, ..., None], float("nan"))
-        cache.reserve(sched.every)
-        _pad_page_table(cache, self._width)
+        cache.reserve(sched.every, growth=GROWTH)
         return held
 
-    # ------------------------------------------------------------------ helpers
-    def _ceiling(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
+    def ceiling(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
         """[B] tokens per KV head the cap allows a row that has read ``seen`` tokens."""
-        L, Hkv, tb = cache.num_layers, cache.num_kv_heads, cache.token_bytes
-        per_row = [self.budget.bytes_per_sequence(int(n), L, Hkv, tb) // (L * Hkv * tb) for n in seen.tolist()]
-        return torch.tensor(per_row, dtype=torch.long, device=cache.device)
+        return cache.budget_tokens(self.budget, seen)
 
     def _levels(self, obs, newest: Tensor) -> Tensor:
-        """[B, Hkv, S] protection level of every held token (-1 where nothing is held)."""
+        """[B, Hkv, S] protection level of every held token (EMPTY where nothing is held)."""
         pos, sched = obs.positions, self.schedule
         level = torch.full_like(pos, SCORED)
         if sched.prompt:
             level = level.masked_fill(pos < self.prompt_end[:, None, None], PROMPT)
         level = level.masked_fill(pos < sched.sinks, SINK)
         level = level.masked_fill(pos > newest[:, None, None] - sched.recent, RECENT)
-        return level.masked_fill(~obs.valid, -1)
-
-    def _evict(self, cache: PagedKVCache, scores: Tensor, levels: Tensor, counts: Tensor) -> None:
-        """Keep each head's ``counts`` [L, B, Hkv] best tokens: highest level first, then highest score."""
-        order = scores.argsort(dim=-1, descending=True, stable=True)
-        order = order.gather(-1, levels.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
-        keep = kept_indices(order.argsort(-1) < counts[..., None])  # [L, B, Hkv, K] ascending logical indices
-        compact_heads(cache, keep, counts)
-        cache.lengths = counts.to(torch.int32)
-        cache.release_unused()
-        S = scores.shape[-1]
-        for layer, state in enumerate(self.states):
-            state.tokens = state.tokens.gather(-1, keep[layer].clamp_max(S - 1))
-
-    def _provision(self, cache: PagedKVCache, ceiling: Tensor) -> None:
-        """Make the pool exactly what the cap needs (plus one page per head when heads share the cap unevenly) and
-        the page table as wide as the longest head may get, so decode shapes stay fixed."""
-        L, B, Hkv = cache.lengths.shape
-        P = cache.page_size
-        pages = -(-ceiling // P)  # [B] pages per head at the cap
-        ragged = self.policy.max_share > 1
-        capacity = 1 + L * Hkv * int(pages.sum()) + (L * B * Hkv if ragged else 0)
-        self._width = math.ceil(self.policy.max_share * int(ceiling.max()) / P)
-        cache.resize(capacity)
-        _pad_page_table(cache, self._width)
+        return level.masked_fill(~obs.valid, EMPTY)
 
 
 def _fit(tokens: Tensor | None, like: Tensor) -> Tensor:
@@ -194,10 +180,3 @@ def _fit(tokens: Tensor | None, like: Tensor) -> Tensor:
     if tokens.shape[-1] >= S:
         return tokens[..., :S]
     return nn.functional.pad(tokens, (0, S - tokens.shape[-1]), value=float("nan"))
-
-
-def _pad_page_table(cache: PagedKVCache, width: int) -> None:
-    """Widen the page table to ``width`` pages (entries past a head's pages point at the scratch page 0)."""
-    extra = width - cache.page_table.shape[-1]
-    if extra > 0:
-        cache.page_table = nn.functional.pad(cache.page_table, (0, extra))

@@ -9,11 +9,24 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer as the cache and the methods see it: softmax ``scale``, sliding ``window`` (0 = full)."""
+
+    index: int
+    scale: float
+    window: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Attention geometry of a causal LM.
 
     ``windows[l]`` is layer l's sliding window (0 = full attention). ``hf_causal_lm`` marks a transformers model,
     whose SDPA mask is known to be causal + padding (+ sliding window) and can be rebuilt from positions.
+    ``dtype``: the weights' dtype at capture.
     """
 
     num_layers: int
@@ -24,6 +37,13 @@ class ModelSpec:
     windows: tuple[int, ...]
     max_positions: int | None
     hf_causal_lm: bool
+
+    def layers(self, scales) -> tuple[LayerSpec, ...]:
+        """One ``LayerSpec`` per layer, with the softmax scales the graph uses (``passes.InsertPagedAttention``)."""
+        return tuple(
+            LayerSpec(i, float(s), w, self.num_q_heads, self.num_kv_heads, self.head_dim)
+            for i, (s, w) in enumerate(zip(scales, self.windows))
+        )
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "ModelSpec":

@@ -7,8 +7,11 @@ import torch
 from conftest import VOCAB, left_padded_batch, tiny_model
 
 import kvcompile
-from kvcompile.compress import compress, observe
+from kvcompile.calibration import catekv as catekv_calibration
+from kvcompile.calibration import ripplekv as ripplekv_calibration
+from kvcompile.calibration import sgdkv as sgdkv_calibration
 from kvcompile.methods import Observation, base, catekv, certkv, page_entrokv, ripplekv, sgdkv
+from kvcompile.observation import observe
 from kvcompile.methods.contourkv import ContourKV
 
 MINE = ["contourkv", "contourkv-balancing", "certkv", "page-entrokv", "ripplekv", "sgd-kv", "catekv"]
@@ -40,9 +43,10 @@ def test_full_budget_keeps_everything_and_reproduces_logits(llama_cm, recipe):
     ref, ref_next = full.prefill(ids), full.decode(ids[:, -1:])
     cm = kvcompile.apply(llama_cm, budget=1.0, recipe=recipe, page_size=4)
     assert torch.equal(cm.prefill(ids), ref)
-    lengths = cm.cache.lengths.clone()
-    compress(cm.cache, cm.scorer, cm.allocator, cm.cache.bytes_held(), cm.programs.scales, cm.spec.windows)
-    assert torch.equal(cm.cache.lengths, lengths), "a budget that holds everything must evict nothing"
+    held = cm.cache_stats()["bytes_held_per_sequence"][0]  # both rows hold the same
+    cm = kvcompile.apply(llama_cm, budget=f"{held}B", recipe=recipe, page_size=4)
+    cm.prefill(ids)
+    assert (cm.cache.lengths == 70).all(), "a budget that holds everything must evict nothing"
     torch.testing.assert_close(cm.decode(ids[:, -1:]), ref_next)
 
 
@@ -131,9 +135,9 @@ def test_certkv_cache_summary_row_reproduces_the_evicted_tail(llama_cm):
     cm = kvcompile.apply(llama_cm, budget=0.25, recipe="certkv", page_size=4)
     ids, mask = left_padded_batch([160, 120], total=160)
     cm.prefill(ids, mask, compress=False)
-    before = [observe(cm.cache, layer, cm.programs.scales[layer], 0) for layer in range(3)]
+    before = [observe(cm.cache, layer) for layer in cm.programs.layers]
     lengths = cm.cache.lengths.clone()
-    compress(cm.cache, cm.scorer, cm.allocator, cm.cache.bytes_held() // 4, cm.programs.scales, cm.spec.windows)
+    cm.compress()
     assert (cm.cache.lengths < lengths).all()
     assert cm.cache.bytes_held().sum() <= lengths.sum() // 4 * cm.cache.token_bytes
     for layer, obs in enumerate(before):
@@ -166,12 +170,11 @@ def test_page_entrokv_keeps_whole_pages_shared_by_the_group(llama_cm):
     ids, _ = left_padded_batch([70, 70], total=70, seed=3)
     cm.prefill(ids, compress=False)
     expected = []
-    for layer in range(3):
-        obs = observe(cm.cache, layer, cm.programs.scales[layer], 0)
+    for layer in cm.programs.layers:
+        obs = observe(cm.cache, layer)
         s = cm.scorer.score(obs)[..., :70].masked_fill(~obs.valid[..., :70], float("-inf"))
         expected.append(torch.nn.functional.pad(s, (0, 2), value=float("-inf")).unflatten(-1, (18, P)).amax(-1))
-    compress(cm.cache, cm.scorer, cm.allocator, torch.full((2,), 70 * 6 * cm.cache.token_bytes * 3 // 10),
-             cm.programs.scales, cm.spec.windows)
+    cm.compress()  # budget 0.3 of the 70 tokens each row read
     for layer in range(3):
         _, _, positions, valid = cm.cache.dense(layer)
         for b in range(2):
@@ -215,11 +218,11 @@ def test_ripplekv_layer_budgets_follow_sensitivity():
 def test_ripplekv_calibration_measures_kl_and_is_cached(llama_cm, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_CALIBRATION", str(tmp_path))
     ids = torch.randint(2, VOCAB - 1, (1, 96), generator=torch.Generator().manual_seed(0))
-    assert ripplekv.calibrate(llama_cm, ids, noise=0.0) == (0.0, 0.0, 0.0), "no noise, no divergence"
-    sensitivity = ripplekv.calibrate(llama_cm, ids)
+    assert ripplekv_calibration.calibrate(llama_cm, ids, noise=0.0) == (0.0, 0.0, 0.0), "no noise, no divergence"
+    sensitivity = ripplekv_calibration.calibrate(llama_cm, ids)
     assert len(sensitivity) == 3 and all(s > 0 for s in sensitivity)
-    monkeypatch.setattr(ripplekv, "_measure", lambda *a, **k: pytest.fail("measured twice"))
-    assert ripplekv.calibrate(llama_cm, ids) == sensitivity, "the second call reads the disk cache"
+    monkeypatch.setattr(ripplekv_calibration, "_measure", lambda *a, **k: pytest.fail("measured twice"))
+    assert ripplekv_calibration.calibrate(llama_cm, ids) == sensitivity, "the second call reads the disk cache"
     recipe = kvcompile.Recipe("ripplekv-cal", "snapkv", "ripplekv", allocator_args={"layer_sensitivity": sensitivity})
     cm = kvcompile.apply(llama_cm, budget=0.25, recipe=recipe, page_size=4)
     cm.prefill(left_padded_batch([160], total=160)[0])
@@ -246,7 +249,7 @@ def test_sgdkv_calibration_matches_attention_of_the_model(llama_cm, llama, tmp_p
     ids = torch.cat([source, answer])[None]
     mask = torch.zeros(ids.shape[1], dtype=torch.bool)
     mask[62:] = True
-    scores = torch.tensor(sgdkv.calibrate(llama_cm, ids, mask))
+    scores = torch.tensor(sgdkv_calibration.calibrate(llama_cm, ids, mask))
     eager = tiny_model("llama", layers=3)
     eager.load_state_dict(llama.state_dict())
     eager.set_attn_implementation("eager")
@@ -265,7 +268,7 @@ def test_sgdkv_diagnostic_task_marks_keyword_tokens():
             return {"input_ids": [ord(c) for c in text], "offset_mapping": [(i, i + 1) for i in range(len(text))]}
 
     docs = ["The lighthouse keeper watched storms.", "Engineers designed bridges carefully."]
-    ids, mask = sgdkv.diagnostic_task(Chars(), docs, keywords=2)
+    ids, mask = sgdkv_calibration.diagnostic_task(Chars(), docs, keywords=2)
     marked = "".join(chr(int(i)) if m else "|" for i, m in zip(ids[0], mask))
     words = [w for w in marked.split("|") if w]
     assert words == ["lighthouse", "watched", "Engineers", "carefully"]
@@ -303,7 +306,7 @@ def test_catekv_calibration_classifies_heads(llama_cm, tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(6)
     samples = [torch.randint(2, VOCAB - 1, (1, 120), generator=g) for _ in range(2)]
     scorer = catekv.CateKV(last_q=16, init=4, recent=16, chunk=8)
-    adaptive = catekv.calibrate(llama_cm, samples, scorer, adaptive_fraction=0.5)
+    adaptive = catekv_calibration.calibrate(llama_cm, samples, scorer, adaptive_fraction=0.5)
     assert len(adaptive) == 3 and sum(map(sum, adaptive)) == 3
     recipe = kvcompile.Recipe("catekv-cal", "catekv", "catekv", {"last_q": 16, "init": 4, "recent": 16, "chunk": 8},
                               {"adaptive_heads": adaptive})

@@ -22,9 +22,6 @@ def test_compiled_decode_compiles_once_and_matches_eager(llama_cm, recipe, budge
     ids, mask = left_padded_batch(rows, total=48)
     a, b = compiled.prefill(ids, mask), eager.prefill(ids, mask)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    for cm in (compiled, eager):
-        cm.cache.reserve(64)
-        cm._room = 64
     packed = compiled.cache.packed()
     for step in range(64):
         token = b[:, -1].argmax(-1, keepdim=True)
@@ -76,8 +73,7 @@ def test_compiled_decode_writes_the_pool_in_place(llama_cm, packed):
     cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", page_size=4, compile=True)
     ids, mask = left_padded_batch([12, 12 if packed else 7], total=12)
     logits = cm.prefill(ids, mask)
-    cm.cache.reserve(8)
-    cm._room = 8
+    cm.decode(logits[:, -1].argmax(-1, keepdim=True))  # reserves room for the next steps
     assert cm.cache.packed() == packed
     _, codes = run_and_get_code(cm.decode, logits[:, -1].argmax(-1, keepdim=True))
     N, P, D = cm.cache.k_pages.shape

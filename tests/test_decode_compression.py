@@ -12,7 +12,6 @@ from conftest import left_padded_batch, tiny_model
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvcompile
-from kvcompile import ops
 from kvcompile.recipes import get_recipe
 
 POLICIES = ["inertiakv", "inertiakv-lazy", "score-free", "random-attention", "h2o-decode", "snapkv-decode", "growpage"]
@@ -74,6 +73,27 @@ def test_flat_bytes_and_protected_prompt_over_2000_sampled_tokens(base, name):
     assert int(cm.cache.lengths.max()) < 2000, "the generation went far past the cap, so tokens were evicted"
     assert len(pools) == 1, f"the page pool changed size while decoding: {sorted(pools)}"
     assert cm.cache_stats()["peak_bytes_held"] == max(held), "the reported peak is the real one"
+
+
+@pytest.mark.parametrize("budget", [CAP, 0.25], ids=["tokens", "fraction"])
+@pytest.mark.parametrize("name", POLICIES)
+def test_pool_storage_stays_near_the_cap_over_1000_tokens(base, name, budget):
+    """The pool tensors themselves, not only the tokens held: within 1.15x the cap plus one page per head (and the
+    scratch page), at every step (a fraction cap grows with the tokens read); budget_bytes is the cap on the same
+    tokens."""
+    cm = kvcompile.apply(base, budget=budget, recipe=name)
+    ids, mask = left_padded_batch([120, 100], total=120)
+    token = cm.prefill(ids, mask, logits="last")[:, -1].argmax(-1, keepdim=True)
+    L, B, Hkv = cm.cache.lengths.shape
+    for step in range(1000):
+        token = cm.decode(token)[:, -1].argmax(-1, keepdim=True)
+        if step % 10 and step != 999:
+            continue
+        stats = cm.cache_stats()
+        pool = stats["bytes"]["payload"] + stats["bytes"]["free_pages"]
+        bound = 1.15 * stats["budget_bytes"] + (L * B * Hkv + 1) * cm.cache.page_bytes
+        assert pool <= bound, f"step {step}: pool {pool} B > {bound:.0f} B (cap {stats['budget_bytes']} B)"
+        assert stats["bytes_held"] <= stats["budget_bytes"] + L * B * Hkv * cm.cache.page_bytes, f"step {step}"
 
 
 def test_unprotected_prompt_is_evicted(base):
@@ -141,22 +161,24 @@ def test_decode_many_equals_one_decode_call_per_token(base, name):
     assert many.cache_stats()["peak_bytes_held"] == one.cache_stats()["peak_bytes_held"]
 
 
-def test_query_ring_keeps_the_last_w_queries_and_narrows():
-    """The ops write query p to slot p mod W: after a padded prefill chunk and a decode step each row's ring holds
-    its last W queries; ``narrow_ring`` gives what a smaller ring would hold."""
-    W = 4
-    obs_q = torch.zeros(1, 2, 1, W, 1)  # [L, B, Hq, W, D]; a query's value is its position
-    obs_pos = torch.full((2, W), -1)
-    prefill, decode = torch.tensor([[-1, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5]]), torch.tensor([[5], [6]])
-    for q_pos, decode in ((prefill, False), (decode, True)):
-        ops._observe(obs_q, 0, q_pos[:, None, :, None].float(), q_pos, decode)
-        obs_pos = ops.ring_write(obs_pos, ops.ring_slots(q_pos, W), q_pos, dim=1)
+def test_query_ring_keeps_the_last_w_queries_and_narrows(base):
+    """Query p sits in slot p mod W: after a padded prefill and a decode step each row's ring holds its last W
+    queries (the same vectors a wider ring holds at those positions); narrowing keeps the newest ones."""
+    rings = {}
+    for W in (4, 8):
+        cm = kvcompile.apply(base, budget=1.0, recipe=kvcompile.Recipe(f"w{W}", "snapkv", scorer_args={"window": W}))
+        ids, mask = left_padded_batch([5, 6], total=6)
+        cm.prefill(ids, mask, compress=False)
+        cm.decode(torch.tensor([[7], [7]]))
+        rings[W] = cm.cache.ring
+    ring, wide = rings[4], rings[8]
     for b, last in enumerate([[2, 3, 4, 5], [3, 4, 5, 6]]):
-        assert sorted(obs_pos[b].tolist()) == last
-        assert obs_q[0, b, 0, :, 0].tolist() == obs_pos[b].float().tolist(), "queries sit with their positions"
-        assert obs_pos[b].tolist() == sorted(last, key=lambda p: p % W)
-    q2, pos2 = ops.narrow_ring(obs_q, obs_pos, 2)
-    assert pos2.tolist() == [[4, 5], [6, 5]] and q2[0, :, 0, :, 0].tolist() == [[4.0, 5.0], [6.0, 5.0]]
+        assert ring.positions[b].tolist() == sorted(last, key=lambda p: p % 4)
+        for slot, p in enumerate(ring.positions[b].tolist()):
+            other = wide.positions[b].tolist().index(p)
+            assert torch.equal(ring.queries[:, b, :, slot], wide.queries[:, b, :, other]), "queries sit with positions"
+    ring.resize(2)
+    assert ring.positions.tolist() == [[4, 5], [6, 5]]
 
 
 def test_compiled_decode_keeps_one_shape_through_evictions(base):
@@ -176,7 +198,20 @@ def test_bad_decode_schedules(base):
         kvcompile.Recipe("x", "snapkv", decode={"policy": "nope"})
     with pytest.raises(ValueError, match="bad decode schedule: alpha must be"):
         kvcompile.Recipe("x", "snapkv", decode={"policy": "inertiakv", "args": {"alpha": 1.5}})
-    cm = kvcompile.apply(base, budget=64, recipe="random-attention")  # bursts of 64 + a window of 64 > 64
+    with pytest.raises(ValueError, match="raise the budget to at least 6 tokens per KV head"):
+        kvcompile.apply(base, budget=5, recipe="inertiakv")  # 4 sinks leave no room at a cap of 5, known at apply
+    cm = kvcompile.apply(base, budget=0.1, recipe="inertiakv")  # a fraction: known once the prompt is
     ids, mask = left_padded_batch(PROMPTS, total=max(PROMPTS))
-    with pytest.raises(ValueError, match="too small for the schedule"):
+    with pytest.raises(ValueError, match="raise the budget"):
         cm.generate(ids, mask, max_new_tokens=8)
+    assert cm.seen is None, "refused before anything changed"
+
+
+def test_schedule_scales_to_a_small_cap(base):
+    """random-attention's bursts of 64 plus a window of 64 exceed a cap of 64: both shrink to fit, and it says so."""
+    cm = kvcompile.apply(base, budget=64, recipe="random-attention")
+    ids, mask = left_padded_batch(PROMPTS, total=max(PROMPTS))
+    cm.generate(ids, mask, max_new_tokens=200, eos_token_id=[])
+    schedule = cm.cache_stats()["decode_schedule"]
+    assert schedule["every"] + schedule["recent"] < 64 and schedule["every"] >= 1
+    assert int(cm.cache.lengths.max()) <= 64

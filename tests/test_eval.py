@@ -127,10 +127,10 @@ def test_fork_then_compress_equals_a_separate_run(tiny):
     _, tok, cm = tiny
     ids = torch.randint(2, 258, (1, 120), generator=torch.Generator().manual_seed(0))
     base = kvcompile.apply(cm, budget=1.0, recipe="snapkv")
-    base.prefill(ids, logits="last")
+    base.prefill(ids, compress=False, logits="last")
     for recipe in ("snapkv", "knorm", "streamingllm"):
         fork = base.fork(recipe, 0.25)
-        fork._compress()
+        fork.compress()
         alone = kvcompile.apply(cm, budget=0.25, recipe=recipe)
         alone.prefill(ids, logits="last")
         assert torch.equal(fork.cache.lengths, alone.cache.lengths), recipe

@@ -2,43 +2,64 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 import kvcompile  # noqa: F401  (registers torch.ops.kvcompile)
 from kvcompile.cache import PagedKVCache
 from kvcompile.kernels import reference
+from kvcompile.plan import Plan
+
+
+def shorten(cache, lengths, shrink=False):
+    """Keep each head's first ``lengths`` [L, B, Hkv] tokens (a plan that evicts their tails)."""
+    lengths = torch.as_tensor(lengths)
+    keep = torch.arange(int(cache.lengths.max())).expand(*lengths.shape, -1)
+    cache.keep(Plan(keep, lengths), shrink=shrink)
+
+
+@dataclass
+class Pages:
+    """A layer's paged K/V as the kernels take them (one row): pools, page table [1, 1, Hkv, W], lengths [1, 1, Hkv]."""
+
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    page_pos: torch.Tensor
+    page_table: torch.Tensor
+    lengths: torch.Tensor
+    packed: bool
+
+    def dense(self, layer: int):
+        return reference.gather_dense(self.k_pages, self.v_pages, self.page_pos, self.page_table[layer],
+                                      self.lengths[layer])
 
 
 def filled_cache(lengths, P=4, D=8, Hq=4, seed=None, shuffle=True):
-    """A cache for one layer whose heads (1 row) hold ``lengths`` random tokens on shuffled pages (or packed ones,
-    as ``reserve`` leaves them)."""
+    """Kernel inputs for one layer whose heads (1 row) hold ``lengths`` random tokens, each head owning the pages
+    of the longest: on shuffled pages, or packed ones (consecutive, heads in order). Returns (pages, k, v)."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
-    Hkv = len(lengths)
-    cache = PagedKVCache(1, Hkv, Hq, D, page_size=P)
-    cache.setup(1)
-    n = max(lengths)
-    cache.reserve(n)
+    Hkv, n = len(lengths), max(lengths)
+    width = -(-n // P)
+    ids = torch.arange(1, Hkv * width + 1)
     if shuffle:
-        owned = cache.page_table > 0
-        ids = torch.randperm(cache.k_pages.shape[0] - 1, generator=g)[: int(owned.sum())] + 1  # shuffled pages
+        ids = torch.randperm(Hkv * width + 3, generator=g)[: Hkv * width] + 1  # spare pages: never one run
         if bool((ids.diff() == 1).all()):
-            ids = ids.flip(0)  # never one run of consecutive pages: that is the packed layout
-        cache.page_table[owned] = ids.int()
-    k = torch.randn(1, Hkv, n, D, generator=g)
-    v = torch.randn(1, Hkv, n, D, generator=g)
-    real = torch.ones(1, n, dtype=torch.bool)
-    slots = cache.slots_for(real)[0]
-    reference.write_tokens(cache.k_pages, cache.v_pages, cache.page_pos, k, v, torch.arange(n)[None], slots)
-    cache.lengths[0, 0] = torch.tensor(lengths, dtype=torch.int32)
-    return cache, k, v
+            ids = ids.flip(0)
+    N = int(ids.max()) + 1
+    pages = Pages(torch.zeros(N, P, D), torch.zeros(N, P, D), torch.zeros(N, P, dtype=torch.int32),
+                  ids.int().reshape(1, 1, Hkv, width), torch.tensor([[lengths]], dtype=torch.int32), not shuffle)
+    k, v = torch.randn(1, Hkv, n, D, generator=g), torch.randn(1, Hkv, n, D, generator=g)
+    slots = reference.rows_of(pages.page_table[0], torch.arange(n).expand(1, Hkv, n), P)
+    reference.write_tokens(pages.k_pages, pages.v_pages, pages.page_pos, k, v, torch.arange(n)[None], slots)
+    return pages, k, v
 
 
 @pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "packed"])
 @pytest.mark.parametrize("lengths", [[5, 1, 9], [4, 8], [13]])
 def test_paged_attention_matches_dense_masked_sdpa(lengths, shuffle):
     cache, k, v = filled_cache(lengths, Hq=2 * len(lengths), shuffle=shuffle)
-    assert cache.packed() == (not shuffle)
     first_page = None if shuffle else 1
     k_pages = cache.k_pages.clone()
     view = reference.heads_view(cache.k_pages, cache.page_table[0], first_page)
@@ -60,7 +81,7 @@ def test_compact_moves_kept_rows_only():
     count = torch.tensor([[3, 4]])
     before = cache.k_pages.clone()
     torch.ops.kvcompile.compact(cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], keep, count)
-    cache.lengths[0, 0] = count[0].int()
+    cache.lengths = count[None].int()
     keys, values, pos, valid = cache.dense(0)
     torch.testing.assert_close(keys[0, 0, :3], k[0, 0, [0, 3, 8]])
     torch.testing.assert_close(values[0, 1, :4], v[0, 1, [1, 2, 4, 5]])
@@ -70,12 +91,12 @@ def test_compact_moves_kept_rows_only():
 
 def _attention_args(T, packed=False):
     cache, k, v = filled_cache([6, 3], shuffle=not packed)
-    assert cache.packed() == packed
     q = torch.randn(1, 4, T, 8)
     kn, vn = torch.randn(1, 2, T, 8), torch.randn(1, 2, T, 8)
     qp = torch.arange(6, 6 + T)[None]
     slots = torch.zeros(1, 1, 2, T, dtype=torch.long)
-    return (q, kn, vn, qp, slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table, cache.lengths,
+    ring_slots = qp % 2  # a ring of two slots
+    return (q, kn, vn, qp, slots, ring_slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table, cache.lengths,
             torch.zeros(1, 1, 4, 2, 8), 0, 0.35, 0)
 
 
@@ -92,15 +113,19 @@ def test_packed_decode_matches_gathering_decode():
 
 
 def test_packed_follows_every_page_table_change():
-    cache, _, _ = filled_cache([6, 3], shuffle=False)
+    cache = PagedKVCache(1, 2, 4, 8, page_size=4)
+    cache.setup(1)
+    cache.reserve(12)
     assert cache.packed(), "equal heads after reserve: the run 1, 2, 3, ..."
-    cache.page_table[0, 0, 0] = cache.page_table[0, 0, 0].flip(0)  # in place: two pages swapped
+    cache.append(torch.ones(1, 12, dtype=torch.bool))
+    shorten(cache, [[[12, 4]]])  # the short head gives pages back: heads no longer equally long
     assert not cache.packed()
-    cache.pack()
+    cache.reserve(4)  # 4 and 2 pages: still uneven
+    cache.append(torch.ones(1, 4, dtype=torch.bool))
+    assert not cache.packed()
+    shorten(cache, [[[8, 8]]])
+    cache.pack()  # two pages each again, renumbered in order
     assert cache.packed()
-    cache.lengths[0, 0] = torch.tensor([6, 3], dtype=torch.int32)
-    cache.release_unused()  # the short head gives a page back: heads no longer equally long
-    assert not cache.packed()
 
 
 def test_opcheck_compact():
@@ -115,10 +140,9 @@ def test_reserve_release_and_trim_return_memory():
     cache.setup(2)
     cache.reserve(torch.tensor([10, 3]))
     assert cache.n_pages.tolist() == [[[3, 3], [1, 1]]] * 2
-    cache.lengths[:] = torch.tensor([[10, 10], [3, 3]], dtype=torch.int32)
+    cache.append(torch.tensor([[True] * 10, [False] * 7 + [True] * 3]))
     assert cache.k_pages.shape[0] >= 1 + int(cache.n_pages.sum()), "the pool holds every owned page"
-    cache.lengths[:] = torch.tensor([[2, 5], [3, 1]], dtype=torch.int32)
-    cache.release_unused()
+    shorten(cache, [[[2, 5], [3, 1]]] * 2)
     assert cache.n_pages.tolist() == [[[1, 2], [1, 1]]] * 2
     keys_before = [cache.dense(layer) for layer in range(2)]
     cache.trim()
@@ -134,11 +158,9 @@ def test_reserve_packs_heads_without_changing_them():
     cache.reserve(torch.tensor([6, 3]))
     n = 6
     k = torch.randn(2, 2, n, 8)
-    slots = cache.slots_for(torch.tensor([[True] * 6, [True] * 3 + [False] * 3]))
+    step = cache.append(torch.tensor([[True] * 6, [True] * 3 + [False] * 3]))
     for layer in range(2):
-        reference.write_tokens(cache.k_pages, cache.v_pages, cache.page_pos, k, k, torch.arange(n).expand(2, n),
-                               slots[layer])
-    cache.lengths[:] = torch.tensor([[6, 6], [3, 3]], dtype=torch.int32)
+        reference.write_tokens(cache.k_pages, cache.v_pages, cache.page_pos, k, k, step.q_pos, step.slots[layer])
     cache.release_unused()
     before = [cache.dense(layer) for layer in range(2)]
     cache.reserve(5)  # rows grow unevenly after pages were given up; reserve packs them again

@@ -8,13 +8,13 @@ from conftest import left_padded_batch, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcompile
-from kvcompile.compress import observe
+from kvcompile.observation import observe
 from kvcompile.methods import SCORERS, Observation
 from kvcompile.methods.compactor import leverage
 from kvcompile.methods.jacap import weighted_leverage
 from kvcompile.methods.kvzip import GlobalTopK
 from kvcompile.methods.twinkv import TwinKVCapacities
-from kvcompile.methods.uor import union_overhead, union_sizes
+from kvcompile.eval.uor import union_overhead, union_sizes
 
 RECIPES = [
     "tova", "h2o", "keydiff", "expected-attention", "adakv-expected-attention", "criticalkv", "adakv-criticalkv",
@@ -281,7 +281,7 @@ def test_kvzip_end_to_end_keeps_what_the_reconstruction_reads(llama):
     stats = cm.cache_stats()
     assert int(cm.seen[0]) == n and stats["bytes_held"] <= stats["budget_bytes"]
     assert stats["peak_bytes_held"] >= 2 * stats["bytes_full"], "the reconstruction was prefilled on top"
-    assert (cm.cache.obs_pos == -1).all()
+    assert cm.cache.ring.capacity == 0, "the reconstruction's queries are gone, and the ring with them"
 
 
 def test_global_topk_keeps_the_overall_top_scores():
@@ -375,8 +375,8 @@ def test_scores_are_computed_on_what_the_cache_observed(llama_cm):
     """The scorers read a real Observation of the tiny model without producing NaN or touching invalid slots."""
     cm = kvcompile.apply(llama_cm, budget=1.0, recipe="h2o", page_size=4)
     ids, mask = left_padded_batch([50, 31], total=50)
-    cm.prefill(ids, mask)
-    obs = observe(cm.cache, 1, cm.programs.scales[1], 0)
+    cm.prefill(ids, mask, compress=False)
+    obs = observe(cm.cache, cm.programs.layers[1])
     for name in ["tova", "h2o", "keydiff", "expected-attention", "compactor", "jacap", "twinkv"]:
         scores = SCORERS[name]().score(obs)
         assert not scores[obs.valid].isnan().any(), name

@@ -7,7 +7,7 @@ import torch
 
 import kvcompile
 from kvcompile.passes.streamed_linear import streamed_linear
-from kvcompile.runtime import Programs
+from kvcompile.programs import Programs
 
 aten = torch.ops.aten
 
@@ -42,8 +42,9 @@ def test_only_the_cpu_decode_programs_stream_their_weights(llama_cm):
 def test_streamed_and_plain_decode_agree(llama_cm):
     """The same logits with and without the pass (up to summation order), step after step on a growing cache."""
     streamed = kvcompile.apply(llama_cm, budget=1.0, recipe="full", page_size=4)
-    plain = kvcompile.apply(llama_cm, budget=1.0, recipe="full", page_size=4)
-    plain.programs = Programs.rewrite(llama_cm.programs.captured, llama_cm.spec, stream_weights=False)
+    programs = Programs.rewrite(llama_cm.programs.captured, llama_cm.spec, stream_weights=False)
+    plain = kvcompile.CompressedModel(programs, llama_cm.spec, kvcompile.recipes()["full"], kvcompile.Budget.parse(1.0),
+                                      page_size=4)
     ids = torch.randint(2, 90, (3, 9))
     token = streamed.prefill(ids)[:, -1:].argmax(-1)
     plain.prefill(ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..runtime import CompressedModel
+from ..model import CompressedModel
 
 
 def ids_tensor(ids: list[int], device) -> Tensor:

@@ -1,7 +1,7 @@
 """Task-independent fidelity of a compressed cache against the full one.
 
 Protocol: a context of ``context`` prose tokens (``pydoc_data``) is prefilled once at full budget (all but its
-last token); each (recipe, budget) cell forks that cache and compresses it; then the last context token and
+last token, ``compress=False``); each (recipe, budget) cell forks that cache and compresses it; then the last context token and
 ``scored`` continuation tokens are teacher-forced over the compressed cache and over the full one.
 
 - Local, per layer and KV head (oracle-style: the continuation's queries as computed with the full cache):
@@ -23,9 +23,9 @@ from tqdm import tqdm
 
 import kvcompile
 
-from ..compress import observe
+from ..observation import observe
 from ..recipes import Recipe, get_recipe
-from ..runtime import CompressedModel
+from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
 from .oracle import future_attention
 from .synthetic import _prose
@@ -63,12 +63,11 @@ def local_errors(probe: CompressedModel, kept: CompressedModel, n_compressed: in
 
     ``probe`` holds the full context then the continuation and observed the continuation's queries; ``kept`` is
     the compressed cache (its first ``n_compressed`` positions were subject to compression)."""
-    L = probe.spec.num_layers
     mass, err = [], []
-    for layer in range(L):
-        obs = observe(probe.cache, layer, probe.programs.scales[layer], probe.spec.windows[layer])
+    for layer in probe.programs.layers:
+        obs = observe(probe.cache, layer)
         attn = obs.window_attention()  # [B, Hq, W, S]
-        _, _, pos_c, valid_c = kept.cache.dense(layer)
+        _, _, pos_c, valid_c = kept.cache.dense(layer.index)
         held = ((obs.positions[..., :, None] == pos_c[..., None, :]) & valid_c[..., None, :]).any(-1)
         evicted = obs.valid & ~held & (obs.positions < n_compressed)  # [B, Hkv, S]
         group = attn.shape[1] // evicted.shape[1]
@@ -129,7 +128,7 @@ def measure(
     for w, ids in enumerate(texts):
         ctx, cont = ids[:context], ids[context:]
         base_model.reset()
-        base_model.prefill(ids_tensor(ctx[:-1], base_model.device), logits="last")
+        base_model.prefill(ids_tensor(ctx[:-1], base_model.device), compress=False, logits="last")
         tail = ctx[-1:] + cont[:-1]
         probe = base_model.fork()
         full_logits = probe.prefill(ids_tensor(tail, probe.device), compress=False, logits="all")[0]
@@ -142,10 +141,10 @@ def measure(
         for i, (recipe, budget) in enumerate(cells):
             if recipe == "oracle":
                 if future is None:
-                    future = future_attention(probe.cache, probe.programs.scales, probe.spec.windows, context - 1)
+                    future = future_attention(probe.cache, probe.programs.layers, context - 1)
                 recipe = Recipe("oracle", "oracle", scorer_args={"scores": future})
             kept = base_model.fork(recipe, budget)
-            kept._compress()
+            kept.compress()
             acc[i]["held"].append(kept.cache_stats()["bytes_held"])
             mass, err = local_errors(probe, kept, context - 1)
             acc[i]["mass"].append(mass)

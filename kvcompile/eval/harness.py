@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 import kvcompile
 
-from ..runtime import CompressedModel
+from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
 from .synthetic import SEPARATOR
 

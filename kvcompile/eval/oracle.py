@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..cache import PagedKVCache
-from ..compress import observe
+from ..observation import observe
 from ..methods.base import Observation, Scorer, register_scorer
 
 
@@ -40,13 +40,13 @@ class Oracle(Scorer):
         return out
 
 
-def future_attention(cache: PagedKVCache, scales, windows, n_context: int) -> tuple:
+def future_attention(cache: PagedKVCache, layers, n_context: int) -> tuple:
     """Per layer, [B, Hkv, n_context]: attention mass each of the first ``n_context`` held tokens receives from the
     observed queries (summed over queries and each GQA group). ``cache`` holds the context then the continuation,
     uncompressed, and observed the continuation's queries."""
     out = []
-    for layer in range(cache.num_layers):
-        obs = observe(cache, layer, scales[layer], windows[layer])
+    for layer in layers:
+        obs = observe(cache, layer)
         attn = obs.window_attention()  # [B, Hq, W, S]
         B, Hkv = obs.keys.shape[:2]
         out.append(attn.sum(2).reshape(B, Hkv, -1, attn.shape[-1]).sum(2)[..., :n_context])

@@ -1,8 +1,8 @@
 """Grid evaluation: recipes x budgets x synthetic tasks, one shared prefill per context.
 
-Per context the full-budget model prefills once (``compress=True`` at budget 1.0 counts the context without
-evicting anything) with the widest observation window any recipe needs; each cell then forks that cache,
-compresses it (``CompressedModel.fork`` + ``_compress``), reads the question (query-agnostic) and decodes
+Per context the full-budget model prefills once (``compress=False``: nothing evicted, the queries kept) with the
+widest observation window any cell reads; each cell then forks that cache, compresses it
+(``CompressedModel.fork`` + ``compress``), reads the question (query-agnostic) and decodes
 greedily. A grid of K cells costs about one prefill plus K compress-and-decode steps per context instead of K
 prefills. Scores are the task definitions' own (``Sample.score``). Optional columns: next-token KL(full ||
 compressed) and top-1 agreement, teacher-forced on the question plus the full-budget answer.
@@ -24,8 +24,8 @@ from tqdm import tqdm
 import kvcompile
 
 from ..budget import Budget
-from ..recipes import get_recipe
-from ..runtime import CompressedModel
+from ..recipes import Recipe, get_recipe
+from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
 from .synthetic import get_task, make_sample
@@ -95,8 +95,8 @@ def run(
     cells = [(get_recipe("full"), Budget.parse(1.0))] + [
         (r, Budget.parse(b)) for r in chosen for b in budgets if r.name != "full"
     ]
-    widest = max((r for r, _ in cells), key=lambda r: r.build()[0].observation_window if r.scorer else 0)
-    base = kvcompile.apply(cm, budget=1.0, recipe=widest)
+    widest = max(_observation_window(cm, r, b) for r, b in cells)
+    base = kvcompile.apply(cm, budget=1.0, recipe=Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)}))
     table = {(t.name, r.name, str(b)): _Cell(r.name, str(b)) for t in task_objs for r, b in cells}
     timing = {"shared_prefill_s": 0.0, "cells_s": 0.0, "contexts": 0, "separate_s": 0.0, "separate_contexts": 0,
               "separate_shared_s": 0.0, "separate_mismatches": 0}
@@ -108,7 +108,7 @@ def run(
             t0 = time.perf_counter()
             base.reset()
             with torch.no_grad():
-                base.prefill(ids_tensor(context, base.device), logits="last")
+                base.prefill(ids_tensor(context, base.device), compress=False, logits="last")
             prefill_s = time.perf_counter() - t0
             timing["shared_prefill_s"] += prefill_s
             timing["contexts"] += 1
@@ -118,7 +118,7 @@ def run(
                 t0 = time.perf_counter()
                 try:
                     model = base.fork(recipe, budget)
-                    model._compress()
+                    model.compress()
                     stats = model.cache_stats()
                     probe = model.fork() if kl else None
                     tokens = _answer(model, tokenizer, question, task.max_new_tokens)
@@ -163,6 +163,14 @@ def run(
               "tasks": tasks, "n_samples": n_samples, "length": length, "seed": seed, "query_aware": False,
               "recipe_tags": {r.name: r.tag for r, _ in cells}}
     return {"rows": rows, "timing": timing, "config": config}
+
+
+def _observation_window(cm: CompressedModel, recipe, budget) -> int:
+    """Queries a cell reads; 0 for a cell that cannot be built (its error is recorded when it runs)."""
+    try:
+        return kvcompile.apply(cm, budget=budget, recipe=recipe).observation_window
+    except ValueError:
+        return 0
 
 
 def _separate(base, cells, context, question, tokenizer, max_new_tokens, answers, timing) -> None:

@@ -10,7 +10,8 @@ Layout (see ``kvcompile.cache.PagedKVCache`` for the whole story)::
     lengths          : [B, Hkv] int32       tokens held by head (b, h)
 
 Token ``j`` of head ``(b, h)`` lives at row ``j % P`` of page ``page_table[b, h, j // P]``. Page 0 is a scratch
-page that no head owns: writes of padding tokens land there and are never read. The dense loop that rebuilds
+page that no head owns: padding writes zeros there. Every row that holds no token is zero, so reading a whole
+page under a mask is safe (``kvcompile.cache``). The dense loop that rebuilds
 one head's keys, the definition every function here follows::
 
     keys = torch.stack([k_pages[page_table[b, h, j // P], j % P] for j in range(lengths[b, h])])
@@ -127,12 +128,14 @@ def _fresh_causal(q_pos: Tensor, k_pos: Tensor, lengths: Tensor, T: int) -> bool
 def write_tokens(
     k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, k: Tensor, v: Tensor, pos: Tensor, slots: Tensor
 ) -> None:
-    """Write new tokens into the pool in place. k, v: [B, Hkv, T, D]; pos: [B, T]; slots: [B, Hkv, T] flat rows."""
+    """Write new tokens into the pool in place. k, v: [B, Hkv, T, D]; pos: [B, T] (-1: padding, written as zeros
+    to the scratch row its slot names, so a pad's values never reach anything); slots: [B, Hkv, T] flat rows."""
     D, P = k_pages.shape[-1], k_pages.shape[1]
     rows = slots.reshape(-1)
     at = (rows // P, rows % P)  # (page, row) indices into the pools themselves, not a view of them
-    k_pages.index_put_(at, k.reshape(-1, D).to(k_pages.dtype))
-    v_pages.index_put_(at, v.reshape(-1, D).to(v_pages.dtype))
+    pad = (pos < 0)[:, None, :, None]
+    k_pages.index_put_(at, k.masked_fill(pad, 0).reshape(-1, D).to(k_pages.dtype))
+    v_pages.index_put_(at, v.masked_fill(pad, 0).reshape(-1, D).to(v_pages.dtype))
     page_pos.index_put_(at, pos[:, None, :].expand(slots.shape).reshape(-1).to(page_pos.dtype))
 
 

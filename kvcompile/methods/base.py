@@ -7,7 +7,7 @@ Shape letters: L layers, B batch rows, Hq/Hkv query/KV heads, S tokens held, W o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -40,7 +40,8 @@ class Observation:
     keys, values: [B, Hkv, S, D] post-RoPE; positions: [B, Hkv, S] original positions; valid: [B, Hkv, S];
     queries: [B, Hq, W, D] the layer's last W queries (post-RoPE), in ring order (query p sits in slot p mod W: read
     ``query_positions``, not the slot order); query_positions: [B, W], -1 where there was no query (short prompt,
-    padding); scale: the layer's softmax scale; window: its sliding window (0 = none).
+    padding); scale: the layer's softmax scale; window: its sliding window (0 = none); token_ids, weights: what the
+    ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them).
     """
 
     keys: Tensor
@@ -53,6 +54,8 @@ class Observation:
     window: int
     layer: int
     num_layers: int
+    token_ids: Tensor | None = None
+    weights: dict = field(default_factory=dict)
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
         """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible).
@@ -92,6 +95,54 @@ class Observation:
         return [slice(i * block, (i + 1) * block) for i, any_real in enumerate(has) if any_real]
 
 
+@dataclass(frozen=True)
+class Source:
+    """Something a method reads at compression time beyond the held keys and values. A method declares its sources
+    (``Scorer.sources``); the runtime supplies them through one mechanism (``kvcompile.observation``) and refuses,
+    at ``apply``, a source it cannot supply yet."""
+
+
+@dataclass(frozen=True)
+class QueryWindow(Source):
+    """The last ``size`` queries of every layer: ``Observation.queries`` / ``query_positions``."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class Reconstruction(Source):
+    """A prompt (``Scorer.reconstruction_prompt``) prefilled after the context before scoring, its queries alone in
+    the window, its tokens dropped again after compression (KVzip's context reconstruction)."""
+
+
+@dataclass(frozen=True)
+class ContextTokens(Source):
+    """The token id of every held entry: ``Observation.token_ids`` [B, Hkv, S]."""
+
+
+@dataclass(frozen=True)
+class LayerWeights(Source):
+    """A weight of the layer, read from the captured graph: ``"o_proj"``, the attention output projection
+    [hidden, Hq * D], in ``Observation.weights``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class HiddenStates(Source):
+    """Each layer's input hidden states for the held tokens (not supplied yet)."""
+
+
+@dataclass(frozen=True)
+class ExtraPass(Source):
+    """A second forward pass over the context with a method's own inputs (not supplied yet)."""
+
+
+@dataclass(frozen=True)
+class Gradients(Source):
+    """Gradients of a loss with respect to the held keys and values, from a backward pass (not supplied yet)."""
+
+
 class Scorer:
     """Per-token importance within each KV head."""
 
@@ -104,30 +155,32 @@ class Scorer:
         """How many recent queries per layer the cache must remember for this scorer (0 = none)."""
         return 0
 
+    def sources(self) -> tuple[Source, ...]:
+        """What this scorer reads besides the held keys and values (default: its query window, if any)."""
+        return (QueryWindow(self.observation_window),) if self.observation_window else ()
+
     def score_per_query_head(self, obs: Observation) -> Tensor | None:
         """[B, Hq, S] the scores each query head alone would rank by (before GQA pooling), or None (the default)
-        where the method has no per-query-head form (key- or value-only scores). ``methods.uor`` reads it."""
+        where the method has no per-query-head form (key- or value-only scores). ``eval.uor`` reads it."""
         return None
 
-    def reconstruction_prompt(self, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor] | None:
-        """A prompt the runtime prefills after the context and before scoring, so that its queries fill the
-        observation window; its tokens are dropped again after compression (KVzip's context reconstruction).
-        input_ids, real: [B, T] the tokens just prefilled and their non-pad mask. None (the default): score the
-        context's own queries."""
-        return None
+    def reconstruction_prompt(self, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+        """For a ``Reconstruction`` source: the prompt prefilled after the context and before scoring.
+        input_ids, real: [B, T] the tokens just prefilled and their non-pad mask."""
+        raise NotImplementedError
 
 
 class Allocator:
     """How many tokens each (layer, KV head) keeps under one budget per sequence.
 
-    Two flags change what the compressor does around ``allocate`` (both off by default):
-    ``page_granular``: ``allocate`` gets page scores (the max over each page's tokens), pages held and a budget in
-    pages, returns pages, and whole pages are kept or evicted. ``tail_summary``: a head that evicts spends the last
-    of its counted slots on one row that summarises its evicted tail, which ``summarize`` computes.
+    ``strategy`` declares how the compression engine turns counts into a plan (``compress.STRATEGIES``):
+    ``TOKENS`` (default): keep each head's top ``allocate`` tokens. ``PAGES``: ``allocate`` gets page scores (the
+    max over each page's tokens), pages held and a budget in pages, returns pages, and whole pages are kept or
+    evicted. ``TAIL_SUMMARY``: a head that evicts spends the last of its counted slots on one new entry that
+    summarises its evicted tail, which ``summarize`` computes.
     """
 
-    page_granular: ClassVar[bool] = False
-    tail_summary: ClassVar[bool] = False
+    strategy: ClassVar[str] = "tokens"
 
     def allocate(self, scores: Tensor, lengths: Tensor, budget: Tensor) -> Tensor:
         """scores [L, B, Hkv, S] (-inf where nothing is held), lengths [L, B, Hkv], budget [B] tokens per sequence
@@ -142,7 +195,7 @@ class Allocator:
         return None
 
     def summarize(self, obs: Observation, evicted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """For ``tail_summary`` allocators: the summary row of each head's evicted tokens (``evicted`` [B, Hkv, S])
+        """For ``TAIL_SUMMARY`` allocators: the summary row of each head's evicted tokens (``evicted`` [B, Hkv, S])
         as key, value [B, Hkv, D] and position [B, Hkv]."""
         raise NotImplementedError
 

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import Allocator, Observation, Scorer, attention_mass, register_allocator, register_scorer, water_fill
-from .calibration import cached_calibration, calibration_runner
 
 
 @register_scorer("catekv")
@@ -90,7 +89,7 @@ class CateKVHeads(Allocator):
     consistent heads keep ``consistent_share`` of the uniform per-head share, and get what adaptive heads cannot
     hold on top (paper: consistent heads a fixed sparse budget, adaptive heads the full cache).
 
-    ``adaptive_heads`` [L][Hkv] (True = adaptive) comes from ``calibrate`` (the paper's offline classification
+    ``adaptive_heads`` [L][Hkv] (True = adaptive) comes from ``calibration.catekv.calibrate`` (the paper's offline classification
     over calibration texts); without it the same test runs on each prompt's own scores (inferred). Inferred: the
     consistent heads' budget as a share of the uniform one, needed to honour a byte budget.
     """
@@ -140,33 +139,3 @@ def variation(scores: Tensor) -> Tensor:
     mean = x.sum(-1) / n
     var = ((x - mean[..., None]).pow(2) * free).sum(-1) / n
     return (var.sqrt() / mean).nan_to_num(0.0, posinf=0.0)
-
-
-def calibrate(model, samples: list[Tensor], scorer: CateKV | None = None, adaptive_fraction: float = 0.4):
-    """Adaptive heads [L][Hkv] of a ``CompressedModel``: the ``adaptive_fraction`` of heads with the lowest mean
-    coefficient of variation of ``scorer``'s scores over the calibration ``samples`` (each input_ids [1, T]).
-    Cached on disk per model and samples.
-
-    Example: ``Recipe("catekv", "catekv", "catekv", allocator_args={"adaptive_heads": calibrate(cm, [ids])})``.
-    """
-    scorer = scorer or CateKV()
-    if not samples or any(s.dim() != 2 or s.shape[0] != 1 for s in samples):
-        raise ValueError("samples must be a non-empty list of input_ids of shape [1, T]")
-    ids = torch.cat([s.flatten() for s in samples])
-    params = {"scorer": repr(scorer), "adaptive_fraction": adaptive_fraction, "lengths": [s.shape[1] for s in samples]}
-    rows = cached_calibration("catekv", model, ids, params, lambda: _measure(model, samples, scorer, adaptive_fraction))
-    return tuple(tuple(r) for r in rows)
-
-
-@torch.no_grad()
-def _measure(model, samples, scorer: CateKV, adaptive_fraction: float) -> list[list[bool]]:
-    from ..compress import score_all
-
-    runner = calibration_runner(model, window=scorer.observation_window)
-    cv = 0.0
-    for ids in samples:
-        runner.reset()
-        runner.prefill(ids.to(runner.device), compress=False, logits="last")
-        scores, _ = score_all(runner.cache, scorer, runner.programs.scales, runner.spec.windows)
-        cv = cv + variation(scores)  # [L, 1, Hkv]
-    return CateKVHeads(adaptive_fraction).classify(cv)[:, 0].tolist()

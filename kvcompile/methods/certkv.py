@@ -36,7 +36,7 @@ class CertKV(Allocator):
 
     iterations: int = 48  # bisection steps on lam
 
-    tail_summary = True
+    strategy = "tail-summary"
 
     def __post_init__(self):
         if self.iterations < 1:

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocator, Observation, Scorer, pooled_rank, protect, register_allocator, register_scorer
+from .base import (
+    Allocator, Observation, QueryWindow, Reconstruction, Scorer, pooled_rank, protect, register_allocator, register_scorer,
+)
 
 
 @register_scorer("kvzip")
@@ -41,6 +43,9 @@ class KVzip(Scorer):
     @property
     def observation_window(self) -> int:
         return self.window
+
+    def sources(self):
+        return QueryWindow(self.window), Reconstruction()
 
     def reconstruction_prompt(self, input_ids, real):
         B = input_ids.shape[0]

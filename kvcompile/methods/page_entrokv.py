@@ -65,7 +65,7 @@ class PageEviction(Allocator):
     From the abstract; the unofficial code's entropy-based layer budgets and pinned anchor pages are left out.
     """
 
-    page_granular = True
+    strategy = "pages"
 
     def allocate(self, scores, lengths, budget):
         L, B, Hkv, _ = scores.shape

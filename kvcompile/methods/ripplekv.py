@@ -7,9 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels import reference
 from .base import Allocator, register_allocator, water_fill
-from .calibration import cached_calibration, calibration_runner
 
 
 @register_allocator("ripplekv")
@@ -20,7 +18,7 @@ class RippleKV(Allocator):
     evenly, and what a head cannot hold goes to the others (total preserved).
 
     Inferred from the abstract alone (METHODS.md section 16): the noise form, the KL measure, the normalisation
-    and the exponential map with its ratio. ``layer_sensitivity`` comes from ``calibrate`` (measured once per model
+    and the exponential map with its ratio. ``layer_sensitivity`` comes from ``calibration.ripplekv.calibrate`` (measured once per model
     and cached on disk); without it every layer weighs the same, which is the uniform allocation.
     """
 
@@ -51,47 +49,3 @@ class RippleKV(Allocator):
         weights = self.layer_weights(L).to(scores.device)[None, :, None].expand(B, L, Hkv).reshape(B, L * Hkv)
         caps = lengths.long().permute(1, 0, 2).reshape(B, L * Hkv)
         return water_fill(weights, caps, budget).reshape(B, L, Hkv).permute(1, 0, 2)
-
-
-def calibrate(model, input_ids: Tensor, *, noise: float = 0.5, tail: int = 32, seed: int = 0) -> tuple[float, ...]:
-    """Per-layer sensitivity of a ``CompressedModel`` to its value cache: KL(clean || perturbed) of the next-token
-    distributions over the last ``tail`` tokens of ``input_ids`` [B, T] after layer l's cached values of the rest
-    got Gaussian noise of ``noise`` times their RMS (norm-adaptive). Cached on disk per model and input.
-
-    Example: ``kvcompile.Recipe("ripplekv", "snapkv", "ripplekv", allocator_args={"layer_sensitivity":
-    calibrate(cm, ids)})``.
-    """
-    if input_ids.dim() != 2 or not 0 < tail < input_ids.shape[1]:
-        raise ValueError(f"input_ids must be [batch, tokens] with more than tail={tail} tokens")
-    params = {"noise": noise, "tail": tail, "seed": seed}
-    return tuple(cached_calibration("ripplekv", model, input_ids, params, lambda: _measure(model, input_ids, **params)))
-
-
-@torch.no_grad()
-def _measure(model, input_ids: Tensor, noise: float, tail: int, seed: int) -> list[float]:
-    runner = calibration_runner(model)
-    ids = input_ids.to(runner.device)
-    prefix, suffix = ids[:, :-tail], ids[:, -tail:]
-
-    runner.prefill(prefix, compress=False, logits="last")
-
-    def run(layer: int | None) -> Tensor:  # the suffix's next-token log-probs, over a copy of the prefix's cache
-        copy = runner.fork()
-        if layer is not None:
-            _perturb_values(copy.cache, layer, noise, torch.Generator(copy.device).manual_seed(seed + layer))
-        return torch.log_softmax(copy.prefill(suffix, compress=False).float(), -1)
-
-    clean = run(None)
-    kl = [(clean.exp() * (clean - run(layer))).sum(-1).mean() for layer in range(runner.spec.num_layers)]
-    return torch.stack(kl).clamp_min(0).tolist()
-
-
-def _perturb_values(cache, layer: int, noise: float, generator: torch.Generator) -> None:
-    """Add Gaussian noise of ``noise`` x RMS of the layer's held values to every value it holds, in place."""
-    _, values, _, valid = cache.dense(layer)
-    index = torch.arange(values.shape[2], device=values.device).expand(valid.shape)
-    rows = reference.rows_of(cache.page_table[layer], index, cache.page_size)
-    held = values[valid].float()
-    rms = held.pow(2).mean().sqrt()
-    jitter = torch.randn(held.shape, generator=generator, device=held.device) * noise * rms
-    cache.v_pages.view(-1, cache.head_dim).index_add_(0, rows[valid], jitter.to(cache.dtype))

@@ -11,7 +11,7 @@ from torch import fx
 
 from ..spec import ModelSpec
 from .base import GraphPass, PassManager
-from .paged_attention import CACHE_BUFFERS, DropDeadMaskCode, InsertPagedAttention
+from .paged_attention import DropDeadMaskCode, InsertPagedAttention
 from .last_logits import KeepLastLogits
 from .sdpa import UnsupportedGraph
 from .streamed_linear import StreamWeightsLinear
@@ -20,11 +20,11 @@ from .streamed_linear import StreamWeightsLinear
 def rewrite(
     captured: fx.GraphModule, spec: ModelSpec, *, decode: bool, last_logits: bool = False, packed: bool = False,
     stream_weights: bool = False,
-) -> fx.GraphModule:
-    """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or a decode program).
+) -> tuple[fx.GraphModule, list[float]]:
+    """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or a decode program),
+    and the per-layer softmax scales its attention uses.
 
-    The program is ``forward(input_ids, position_ids, kvc_q_pos, kvc_slots, *cache tensors) -> logits`` with the
-    cache tensors in the order of ``CACHE_BUFFERS``; with ``last_logits`` the logits are [B, 1, V]; with ``packed``
+    The program is ``forward(*signature.INPUTS) -> logits``; with ``last_logits`` the logits are [B, 1, V]; with ``packed``
     it may only run on a packed cache (``PagedKVCache.packed``), which it reads without gathering; with
     ``stream_weights`` its projections run as ``streamed_linear`` (few rows on CPU).
     """
@@ -33,10 +33,10 @@ def rewrite(
     gm = fx.GraphModule(captured, graph)
     paged = InsertPagedAttention(spec, decode=decode, packed=packed)
     order = [paged] + [KeepLastLogits()] * last_logits + [StreamWeightsLinear()] * stream_weights + [DropDeadMaskCode()]
-    return PassManager(order)(gm)
+    return PassManager(order)(gm), paged.scales
 
 
 __all__ = [
-    "CACHE_BUFFERS", "DropDeadMaskCode", "GraphPass", "InsertPagedAttention", "KeepLastLogits", "PassManager",
+    "DropDeadMaskCode", "GraphPass", "InsertPagedAttention", "KeepLastLogits", "PassManager",
     "StreamWeightsLinear", "UnsupportedGraph", "rewrite",
 ]

@@ -6,19 +6,18 @@ import torch
 from torch import fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.kvcompile)
+from ..signature import ADDED
 from ..spec import ModelSpec
 from .base import GraphPass
 from .sdpa import UnsupportedGraph, find_sdpa, kv_heads_source, module_path, sdpa_args
-
-CACHE_BUFFERS = ("k_pages", "v_pages", "page_pos", "page_table", "lengths", "obs_q")
 
 
 class InsertPagedAttention(GraphPass):
     """Route every SDPA node through the paged cache, whose tensors become graph inputs.
 
-    Adds graph inputs after the existing ones: ``kvc_q_pos`` [B, T] (original positions, -1 for padding),
-    ``kvc_slots`` [L, B, Hkv, T] (pool rows for the new tokens), then the cache tensors named in
-    ``CACHE_BUFFERS`` (mutated in place by the ops), so the same program runs eagerly, compiled or exported.
+    Adds graph inputs after the existing ones, named and ordered as ``signature.INPUTS`` declares (the step's
+    positions, pool rows and ring slots, then the cache tensors, which the ops mutate in place), so the same program
+    runs eagerly, compiled or exported. ``scales`` records each layer's softmax scale.
     Keys and values are taken before ``repeat_kv``, so the op sees one head per KV head. The model's own
     attention mask is dropped: the op rebuilds causal, padding and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
     is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
@@ -44,14 +43,11 @@ class InsertPagedAttention(GraphPass):
             )
         last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(last_input):
-            buffers = [graph.placeholder(f"kvc_{name}") for name in reversed(CACHE_BUFFERS)][::-1]
-        with graph.inserting_after(last_input):
-            slots = graph.placeholder("kvc_slots")
-        with graph.inserting_after(last_input):
-            q_pos = graph.placeholder("kvc_q_pos")
+            added = [graph.placeholder(f"kvc_{name}") for name in reversed(ADDED)][::-1]
         ops = torch.ops.kvcompile
         op = (ops.decode_attention_packed if self.packed else ops.decode_attention) if self.decode else ops.prefill_attention
         op = op.default
+        self.scales = []
         for layer, node in enumerate(nodes):
             call = sdpa_args(node)
             self._check_semantics(node, call)
@@ -63,9 +59,10 @@ class InsertPagedAttention(GraphPass):
                     f"(node: {node.format_node()})"
                 )
             scale = call.scale if call.scale is not None else spec.head_dim**-0.5
+            self.scales.append(float(scale))
             with graph.inserting_before(node):
                 new = graph.call_function(
-                    op, (call.query, k, v, q_pos, slots, *buffers),
+                    op, (call.query, k, v, *added),
                     {"layer": layer, "scale": float(scale), "window": spec.windows[layer]},
                 )
             new.meta = dict(node.meta)

@@ -16,7 +16,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Observation, Scorer, descending_rank
+from ..methods import Observation, Scorer
+from ..methods.base import descending_rank
+from ..observation import observe
+from ..recipes import RECIPES, get_recipe
 
 
 def union_sizes(per_query_head: Tensor, valid: Tensor, k: Tensor) -> Tensor:
@@ -43,34 +46,30 @@ def union_overhead(scorer: Scorer, obs: Observation, fraction: float, held: Tens
     return union_sizes(scores, held, k) / k
 
 
-def uor_table(model, input_ids: Tensor, budget: float = 0.25, recipes=None) -> list[dict]:
+def uor_table(model, input_ids: Tensor, budget: float = 0.25, recipes: list | None = None) -> list[dict]:
     """One row per recipe: UOR of its scorer on ``model`` (a ``CompressedModel``) after prefilling ``input_ids``
     [B, T], at a keep fraction of ``budget`` per head. The row gives the overall ratio (tokens over all layers and
-    heads), and the lowest and highest layer; ``uor`` is None for scorers without a per-query-head form."""
-    import kvcompile
-    from ..compress import observe
-    from ..recipes import get_recipe
-
-    names = recipes if recipes is not None else [n for n, r in kvcompile.recipes().items() if r.scorer]
+    heads), and the lowest and highest layer; ``uor`` is None for scorers without a per-query-head form. A recipe
+    with a reconstruction pass (KVzip) is measured on the queries of that pass, as its compression sees them."""
+    names = recipes if recipes is not None else [n for n, r in RECIPES.items() if r.scorer]
     rows = []
     for name in names:
         recipe = get_recipe(name)
-        cm = kvcompile.apply(model, 1.0, recipe)  # the recipe's observation window, nothing compressed
-        cm.prefill(input_ids, logits="last")
-        context = cm.seen
-        prompt = cm.scorer.reconstruction_prompt(input_ids, torch.ones_like(input_ids, dtype=torch.bool))
-        if prompt is not None:  # KVzip: its reconstruction queries, as compression would see them
-            cm._reconstruct(*prompt)
+        cm = model.fork(recipe, 1.0)  # the recipe's observation window, nothing compressed
+        cm.reset()
+        cm.prefill(input_ids, compress=False, logits="last")
+        context = cm.seen.clone()
         union, kept, per_layer = 0.0, 0.0, []
-        for layer in range(cm.spec.num_layers):
-            obs = observe(cm.cache, layer, cm.programs.scales[layer], cm.spec.windows[layer])
-            held = obs.valid & (obs.positions < context[:, None, None])  # the context, not a reconstruction
-            ratio = union_overhead(cm.scorer, obs, budget, held)
-            if ratio is None:
-                break
-            k = (budget * held.sum(-1)).round().clamp_min(1)
-            union, kept = union + float((ratio * k).sum()), kept + float(k.sum())
-            per_layer.append(float((ratio * k).sum() / k.sum()))
+        with cm.observing() as cache:
+            for layer in cm.programs.layers:
+                obs = observe(cache, layer)
+                held = obs.valid & (obs.positions < context[:, None, None])  # the context, not a reconstruction
+                ratio = union_overhead(cm.scorer, obs, budget, held)
+                if ratio is None:
+                    break
+                k = (budget * held.sum(-1)).round().clamp_min(1)
+                union, kept = union + float((ratio * k).sum()), kept + float(k.sum())
+                per_layer.append(float((ratio * k).sum() / k.sum()))
         rows.append({
             "recipe": recipe.tag,
             "scorer": recipe.scorer,

@@ -1,5 +1,9 @@
-"""Per-model calibration for methods that measure a model once (RippleKV, SGD-KV, CateKV): a runner over the
-model's programs and a disk cache keyed by the model's weights, the input and the parameters."""
+"""Per-model calibration for methods that measure a model once (RippleKV, SGD-KV, CateKV).
+
+Calibration runs the model, so it lives above the runtime: each module here measures a ``CompressedModel`` and
+returns plain numbers that a method's dataclass takes as a parameter (``methods`` never runs a model). This module
+has the runner over a model's programs and a disk cache keyed by the model's weights, the input and the parameters.
+"""
 
 from __future__ import annotations
 
@@ -11,16 +15,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..budget import Budget
+from ..model import CompressedModel
+from ..recipes import Recipe
+
 
 def calibration_runner(model, window: int = 0):
     """A full-budget ``CompressedModel`` over ``model``'s programs (nothing re-captured) whose cache observes the
     last ``window`` prefill queries: what calibrated methods (RippleKV, SGD-KV, CateKV) measure a model with."""
-    from ..budget import Budget
-    from ..recipes import Recipe
-    from ..runtime import CompressedModel
-
     recipe = Recipe("calibration", "snapkv", scorer_args={"window": window}) if window else Recipe("full", None)
-    return CompressedModel(model.programs, model.spec, recipe, Budget.parse(1.0), device=model.device)
+    return CompressedModel(model.programs, model.spec, recipe, Budget.parse(1.0), device=model.device, source=model.source)
 
 
 def cached_calibration(kind: str, model, token_ids: Tensor, params: dict, compute):

@@ -1,0 +1,283 @@
+"""The ragged per-head paged KV cache, and the only writer of its own state.
+
+Layout (shape letters: L layers, B batch rows, Hkv KV heads, P page size, D head dim)::
+
+    k_pages, v_pages : [N, P, D]             one pool for all layers; a page holds P tokens of ONE (layer, b, h)
+    page_pos         : [N, P] int32          original sequence position of each stored token
+    page_table       : [L, B, Hkv, W] int32  logical page i of head (l, b, h) -> physical page (W >= 2)
+    lengths          : [L, B, Hkv] int32     tokens head (l, b, h) holds
+    n_pages          : [L, B, Hkv] int64     pages head (l, b, h) owns (its length's pages plus reserved room)
+    seen             : [B] int64             tokens row b has read: the position of its next token
+    ring             : ``QueryRing``         the last queries of each layer (``cache.ring``)
+
+Token j of head (l, b, h) sits at row j % P of page ``page_table[l, b, h, j // P]``; ``kernels.reference`` has
+the loop that rebuilds dense keys from this. Page 0 is scratch: padding writes zeros there, and page-table slots
+past a head's pages point at it.
+
+Isolation: every pool row that does not hold a token is zero (new pages are zeroed, the rows past a head's length
+are zeroed when it shrinks, padding writes zeros), so attention that reads a whole page under a mask multiplies
+zeros, never what another row or an earlier request left behind.
+
+The cache changes its state only through its own methods: ``setup`` (a new request), ``append`` (make room for a
+step and say where its tokens go; the program writes them), ``keep`` (apply a compression ``Plan``), ``drop_from``,
+``reserve`` / ``provision`` / ``trim`` (pages). ``stats`` reports every byte it allocates (``tensors`` names each
+tensor and what it is).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .. import ops
+from ..kernels import reference
+from ..plan import DTYPE_FORMAT, Plan
+from .accounting import ByteAccounting
+from .ring import QueryRing
+
+MIN_WIDTH = 2  # page-table width floor: a dimension of size 1 would make a compiled program specialise on it
+
+
+@dataclass
+class Step:
+    """Where one call's new tokens go (``PagedKVCache.append``): position_ids, q_pos [B, T] (q_pos is -1 for
+    padding), slots [L, B, Hkv, T] pool rows, ring_slots [B, T] observation-ring slots."""
+
+    position_ids: Tensor
+    q_pos: Tensor
+    slots: Tensor
+    ring_slots: Tensor
+
+
+class PagedKVCache(ByteAccounting, nn.Module):
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, *,
+        dtype: torch.dtype = torch.float32, page_size: int = 16, device: torch.device | str = "cpu",
+    ):
+        super().__init__()
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_layers, self.num_kv_heads, self.num_q_heads = num_layers, num_kv_heads, num_q_heads
+        self.head_dim, self.page_size = head_dim, page_size
+        dev = torch.device(device)
+        L, Hkv, P, D = num_layers, num_kv_heads, page_size, head_dim
+        self.register_buffer("k_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
+        self.register_buffer("v_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
+        self.register_buffer("page_pos", torch.zeros(1, P, dtype=torch.int32, device=dev))
+        self.register_buffer("page_table", torch.zeros(L, 0, Hkv, MIN_WIDTH, dtype=torch.int32, device=dev))
+        self.register_buffer("lengths", torch.zeros(L, 0, Hkv, dtype=torch.int32, device=dev))
+        self.register_buffer("n_pages", torch.zeros(L, 0, Hkv, dtype=torch.int64, device=dev))
+        self.register_buffer("seen", torch.zeros(0, dtype=torch.int64, device=dev))
+        self.ring = QueryRing(num_layers, num_q_heads, head_dim, dtype, dev)
+        self.room = 0  # tokens every head can still take without reserving pages (a host count)
+        self.peaks: dict[str, int] = {}
+        self._packed_for: tuple = (lambda: None, -1, False)  # ``packed``'s answer, and for which page table
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_pages.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_pages.dtype
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[1]
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, batch_size: int) -> None:
+        """Empty the cache for ``batch_size`` rows and give back its pool: nothing of an earlier request remains."""
+        L, Hkv, P, D = self.num_layers, self.num_kv_heads, self.page_size, self.head_dim
+        self.k_pages, self.v_pages = self.k_pages.new_zeros(1, P, D), self.v_pages.new_zeros(1, P, D)
+        self.page_pos = self.page_pos.new_zeros(1, P)
+        self.page_table = self.page_table.new_zeros(L, batch_size, Hkv, MIN_WIDTH)
+        self.lengths = self.lengths.new_zeros(L, batch_size, Hkv)
+        self.n_pages = self.n_pages.new_zeros(L, batch_size, Hkv)
+        self.seen = self.seen.new_zeros(batch_size)
+        self.ring.setup(batch_size)
+        self.room, self.peaks = 0, {}
+
+    # ------------------------------------------------------------------ steps
+    def append(self, real: Tensor, observe: int = 0, reserve_ahead: int = 0) -> Step:
+        """Take a step of T tokens per row (``real`` [B, T] marks the non-pad ones): reserve pages when the room is
+        short (a decode step: at least ``reserve_ahead`` tokens at a time), size the ring for ``observe`` queries
+        (at most the queries it has been given), bump lengths and ``seen``, and return where the program writes the
+        new tokens."""
+        T, n_new = real.shape[1], real.sum(1)
+        if T > 1:
+            self.reserve(n_new)
+        elif self.room < 1:
+            self.reserve(max(1, reserve_ahead))
+        pos = self.seen[:, None] + real.long().cumsum(1) - 1
+        q_pos = pos.masked_fill(~real, -1)
+        self.seen = self.seen + n_new
+        C = self.ring.capacity
+        if observe != C:  # the ring grows by the queries it is given, up to the window
+            self.ring.resize(min(observe, C + T))
+        ring_slots = self.ring.slots(q_pos)
+        self.ring.record(q_pos, ring_slots)
+        rank = real.long().cumsum(-1) - 1  # [B, T]: real token t is token lengths + rank of each of its row's heads
+        j = self.lengths.long()[..., None] + rank[None, :, None, :]
+        slots = torch.where(real[None, :, None, :], reference.rows_of(self.page_table, j.clamp_min(0), self.page_size), 0)
+        self.lengths += n_new.to(torch.int32)[None, :, None]
+        self.room = max(self.room - T, 0)
+        return Step(pos.clamp_min(0), q_pos, slots, ring_slots)
+
+    def observe(self, window: int, exact: bool = False) -> None:
+        """Keep at most ``window`` queries in the ring (0 releases it): what the methods that read queries still
+        need; ``exact``: make room for exactly ``window`` (a decode policy's window, filled as it decodes)."""
+        self.ring.resize(window if exact else min(window, self.ring.capacity))
+        self._note()
+
+    # ------------------------------------------------------------------ compression
+    def keep(self, plan: Plan, shrink: bool = True) -> None:
+        """Apply ``plan``: move each head's kept entries to the front of its pages (``ops.compact``), write its new
+        entries after them, zero what is past the new lengths, give up the pages no longer needed and, with
+        ``shrink``, shrink the pool to what is owned (a decode-time schedule keeps its pool for the next tokens)."""
+        if plan.formats is not None and bool((plan.formats != DTYPE_FORMAT).any()):
+            raise NotImplementedError("this cache has one page format (the model's dtype); the plan asks for another")
+        if plan.new is not None and bool((plan.new.log_weights != 0).any()):
+            raise NotImplementedError("attention does not honour entry weights yet; the plan writes weighted entries")
+        self._note(held=True)
+        L, B, Hkv = plan.counts.shape
+        flat = (L * B, Hkv)
+        ops.compact(self.k_pages, self.v_pages, self.page_pos, self.page_table.reshape(*flat, -1),
+                    plan.keep.reshape(*flat, -1), plan.counts.reshape(flat))
+        if plan.new is not None:
+            self._write_new(plan.counts, plan.new)
+        self.lengths = plan.lengths.to(torch.int32)
+        self._zero_past_lengths()
+        self.release_unused()
+        if shrink:
+            self.trim()
+        self._note(held=True)
+
+    def drop_from(self, seen: Tensor) -> None:
+        """Forget every held token at position >= ``seen`` [B] and rewind to it (what KVzip's reconstruction
+        appended). Kept tokens are in position order, so those are each head's tail."""
+        counts = torch.stack([(v & (p < seen[:, None, None])).sum(-1) for *_, p, v in map(self.dense, range(self.num_layers))])
+        keep = torch.arange(max(int(counts.max()), 1), device=self.device).expand(*counts.shape, -1)
+        self.keep(Plan(keep, counts))
+        self.seen = seen.clone()
+        self.ring.clear()
+
+    def _write_new(self, counts: Tensor, new) -> None:
+        """Write ``new``'s entries at logical indices counts, counts + 1, ... of each head (pages must be owned)."""
+        E = new.positions.shape[-1]
+        index = counts.long()[..., None] + torch.arange(E, device=self.device)  # [L, B, Hkv, E]
+        where = (torch.arange(E, device=self.device) < new.counts[..., None]).reshape(-1)
+        L, B, Hkv = counts.shape
+        rows = reference.rows_of(self.page_table.reshape(L * B, Hkv, -1), index.reshape(L * B, Hkv, E), self.page_size)
+        rows, D = rows.reshape(-1)[where], self.head_dim
+        self.k_pages.view(-1, D).index_copy_(0, rows, new.keys.reshape(-1, D)[where].to(self.dtype))
+        self.v_pages.view(-1, D).index_copy_(0, rows, new.values.reshape(-1, D)[where].to(self.dtype))
+        self.page_pos.view(-1).index_copy_(0, rows, new.positions.reshape(-1)[where].to(self.page_pos.dtype))
+
+    def _zero_past_lengths(self) -> None:
+        """Zero the rows past each head's length in its last held page (the isolation invariant)."""
+        P = self.page_size
+        j = self.lengths.long()[..., None] + torch.arange(P, device=self.device)  # [L, B, Hkv, P]
+        past = j < self.pages_held()[..., None] * P
+        rows = reference.rows_of(self.page_table, j.clamp_max(self.page_table.shape[-1] * P - 1), P)[past]
+        for pool in (self.k_pages.view(-1, self.head_dim), self.v_pages.view(-1, self.head_dim), self.page_pos.view(-1, 1)):
+            pool.index_fill_(0, rows, 0)
+
+    def update_values(self, layer: int, fn) -> None:
+        """Replace the values layer ``layer`` holds, [n, D], by ``fn(values)`` (a calibration's perturbation)."""
+        _, values, _, valid = self.dense(layer)
+        index = torch.arange(values.shape[2], device=self.device).expand(valid.shape)
+        rows = reference.rows_of(self.page_table[layer], index, self.page_size)[valid]
+        self.v_pages.view(-1, self.head_dim).index_copy_(0, rows, fn(values[valid]).to(self.dtype))
+
+    # ------------------------------------------------------------------ pages
+    def reserve(self, n_tokens: int | Tensor, growth: float = 1.5) -> None:
+        """Own enough pages that every head of row b can take ``n_tokens[b]`` more tokens, then pack the pool (one
+        copy of the owned pages); a full pool grows to ``growth`` times its size (or what is needed)."""
+        n = torch.as_tensor(n_tokens, device=self.device).long().expand(self.batch_size)
+        want = (self.lengths.long() + n[None, :, None] + self.page_size - 1) // self.page_size
+        need = (want - self.n_pages).clamp_min(0)
+        if bool(need.any()):
+            self._widen(int(want.max()))
+            self.n_pages += need  # the new pages point at page 0 until _renumber gives them pages of their own
+            used, capacity = 1 + int(self.n_pages.sum()), self.k_pages.shape[0]
+            self._renumber(capacity if used <= capacity else max(used, int(capacity * growth)))
+        self.room = max(self.room, int(n.min()))
+        self._note()
+
+    def provision(self, capacity: int, width: int) -> None:
+        """Make the pool exactly ``capacity`` pages (scratch included; at least what heads own) and the page table
+        ``width`` wide: what a decode-time cap sizes once, so decode shapes stay put."""
+        self._renumber(max(capacity, 1 + int(self.n_pages.sum())))
+        self._widen(width)
+        self._note()
+
+    def release_unused(self) -> None:
+        """Give up every page past each head's length; the next ``reserve`` or ``trim`` reclaims them."""
+        self.n_pages = self.pages_held()
+        self.page_table = self.page_table.masked_fill(~self._owned(), 0)
+        self.page_table = self.page_table[..., : max(int(self.n_pages.max()), MIN_WIDTH)].contiguous()
+        self.room = 0
+
+    def trim(self, spare_pages: int = 0) -> None:
+        """Shrink the pool to the pages heads own plus ``spare_pages``, renumbering pages. Frees real memory."""
+        capacity = 1 + int(self.n_pages.sum()) + spare_pages
+        if capacity < self.k_pages.shape[0]:
+            self._renumber(capacity)
+
+    def pack(self) -> None:
+        """Renumber pages so that each head's pages are consecutive, heads in (layer, row, head) order (what a
+        reservation does); free when already packed."""
+        ids = self.page_table[self._owned()]
+        if not torch.equal(ids, torch.arange(1, ids.numel() + 1, dtype=ids.dtype, device=self.device)):
+            self._renumber(self.k_pages.shape[0])
+
+    def packed(self) -> bool:
+        """True when the page table is the run 1, 2, 3, ... : every head owning as many pages as the table is wide,
+        heads in (layer, row, head) order (a reservation packs the pool). Layer l's heads then hold pool pages
+        ``1 + l*n ... (l+1)*n`` (n = B*Hkv*width), which a packed decode program reads in place. Checked once per
+        page-table change, not per step."""
+        table = self.page_table
+        ref, version, answer = self._packed_for
+        if ref() is not table or version != table._version:
+            n = table.numel()
+            run = torch.arange(1, n + 1, dtype=table.dtype, device=table.device)
+            answer = n < self.k_pages.shape[0] and torch.equal(table.reshape(-1), run)
+            self._packed_for = (weakref.ref(table), table._version, answer)
+        return answer
+
+    def _widen(self, width: int) -> None:
+        """Widen the page table to ``width`` pages (new slots point at the scratch page 0)."""
+        if width > self.page_table.shape[-1]:
+            self.page_table = nn.functional.pad(self.page_table, (0, width - self.page_table.shape[-1]))
+
+    def _owned(self) -> Tensor:
+        """[L, B, Hkv, W] True at the page-table slots of pages a head owns."""
+        return torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
+
+    def _renumber(self, capacity: int) -> None:
+        """Make the pool ``capacity`` pages with the owned pages at 1, 2, ... in (layer, row, head, page) order, in
+        new storage (the old pool is released); every page nobody owns is zero."""
+        owned = self._owned()
+        keep = torch.cat([self.page_table.new_zeros(1), self.page_table[owned]]).long()  # scratch page, then owned
+        n = keep.numel() - 1
+        for name in ("k_pages", "v_pages", "page_pos"):
+            pool = getattr(self, name)
+            new = pool.new_empty(capacity, *pool.shape[1:])
+            torch.index_select(pool, 0, keep, out=new[: n + 1])  # one read and one write of what heads own
+            new[n + 1 :] = 0
+            setattr(self, name, new)
+        new_ids = torch.arange(1, n + 1, dtype=torch.int32, device=self.device)
+        self.page_table = torch.zeros_like(self.page_table).masked_scatter_(owned, new_ids)
+
+    # ------------------------------------------------------------------ reads
+    def dense(self, layer: int):
+        """Dense views of one layer: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S]."""
+        return reference.gather_dense(self.k_pages, self.v_pages, self.page_pos, self.page_table[layer], self.lengths[layer])
+
+    def program_tensors(self) -> tuple[Tensor, ...]:
+        """The tensors a program reads and writes, in the calling convention's order (``programs.CACHE_INPUTS``)."""
+        return self.k_pages, self.v_pages, self.page_pos, self.page_table, self.lengths, self.ring.queries

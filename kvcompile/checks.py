@@ -1,0 +1,88 @@
+"""Validation of what users pass in, done before any state changes: a bad input raises a ``ValueError`` (or
+``TypeError``) that names the argument and what it may be, and leaves the model and its cache as they were."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def positive_int(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+def tokens(
+    input_ids, attention_mask, *, vocab_size: int | None, rows: int | None, seen: Tensor | None, extra: int = 0,
+    max_positions: int | None = None, name: str = "input_ids",
+) -> Tensor:
+    """The real-token mask [B, T] (bool) of a batch, after checking it: shape, dtype, token ids in
+    [0, vocab_size), the mask's shape and values, every row non-empty on an empty cache (``rows`` None), and
+    ``seen`` [B] (None: empty) + its tokens + ``extra`` still to come within ``max_positions``."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        raise ValueError(f"{name} must be an integer tensor of shape [batch, tokens]")
+    B, T = input_ids.shape
+    if B == 0 or T == 0:
+        raise ValueError(f"empty prompt: {name} has shape {tuple(input_ids.shape)}")
+    if rows is not None and B != rows:
+        raise ValueError(f"batch size {B} does not match the {rows} sequences in the cache; call reset()")
+    if vocab_size is not None and bool(((input_ids < 0) | (input_ids >= vocab_size)).any()):
+        bad = input_ids[(input_ids < 0) | (input_ids >= vocab_size)][0]
+        raise ValueError(f"{name} holds token id {int(bad)}, outside the model's vocabulary [0, {vocab_size})")
+    if attention_mask is None:
+        real = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)
+    else:
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, Tensor) else type(attention_mask).__name__
+            raise ValueError(f"attention_mask shape {shape} does not match {name} {tuple(input_ids.shape)}")
+        if not ((attention_mask == 0) | (attention_mask == 1)).all():
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+        real = attention_mask.bool()
+    if rows is None and not real.any(1).all():
+        raise ValueError("a sequence in the batch has no tokens (its attention_mask row is all zeros)")
+    if max_positions is not None:
+        before = torch.zeros(B, dtype=torch.long) if seen is None else seen.cpu()
+        longest = int((before + real.sum(1).cpu()).max()) + extra
+        if longest > max_positions:
+            raise ValueError(
+                f"sequence too long: {longest} positions (including tokens still to generate), "
+                f"the model has {max_positions} (max_position_embeddings)"
+            )
+    return real
+
+
+def prompt(input_ids, attention_mask, context_ids, context_mask, max_new_tokens: int, **limits):
+    """``generate``'s prompt, checked as one fresh sequence (the context, when given, then the question, then the
+    tokens to generate): (context real mask or None, question real mask)."""
+    if context_ids is None:
+        return None, tokens(input_ids, attention_mask, rows=None, seen=None, extra=max_new_tokens, **limits)
+    if not isinstance(context_ids, Tensor) or context_ids.dim() != 2 or not isinstance(input_ids, Tensor) \
+            or context_ids.shape[0] != input_ids.shape[0]:
+        raise ValueError("context_ids must be [batch, tokens] with the same batch size as input_ids")
+    context = tokens(context_ids, context_mask, rows=None, seen=None, name="context_ids", **limits)
+    question = tokens(input_ids, attention_mask, rows=input_ids.shape[0], seen=context.sum(1), extra=max_new_tokens,
+                      **limits)
+    return context, question
+
+
+def generation(max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id, generator) -> list[int]:
+    """Check ``generate``'s options; returns the eos ids as a list."""
+    positive_int("max_new_tokens", max_new_tokens)
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    if do_sample:
+        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature <= 0:
+            raise ValueError(f"sampling needs a finite temperature > 0, got {temperature!r}")
+        if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:  # NaN fails the comparison too
+            raise ValueError(f"sampling needs 0 < top_p <= 1, got {top_p!r}")
+    eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [])
+    for name, ids in (("eos_token_id", eos), ("pad_token_id", [] if pad_token_id is None else [pad_token_id])):
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"{name} must be a token id (an int >= 0) or a list of them, got {ids!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    return eos

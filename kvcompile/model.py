@@ -1,0 +1,341 @@
+"""``CompressedModel``: a causal LM whose attention reads and writes a compressed paged KV cache.
+
+The path of one token: ``generate`` (``generation``) -> ``prefill`` / ``decode`` -> ``PagedKVCache.append`` (room,
+positions, pool rows, ring slots) -> ``Programs.run`` (the rewritten graph; its ops write K/V and attend) -> after
+a prefill, ``compress.compress`` keeps the budget's bytes (a ``Plan`` applied by ``PagedKVCache.keep``); while
+decoding, a recipe's ``schedule.DecodeCompressor`` keeps the cache under the budget between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from . import checks, observation
+from .budget import Budget
+from .cache import PagedKVCache
+from .compress import compress as compress_cache
+from .generation import generate_tokens
+from .programs import Programs
+from .recipes import Recipe, get_recipe
+from .schedule import DecodeCompressor, DecodeSchedule
+from .spec import ModelSpec
+
+RESERVE_AHEAD = 64  # tokens of room a plain decode reserves at a time (allocation stays off the step)
+
+
+class CompressedModel(nn.Module):
+    """A causal LM over a compressed, ragged per-head paged KV cache. Build it with ``kvcompile.apply``.
+
+    Positions keep counting the original sequence after eviction; keys are stored after RoPE. The budget applies
+    per sequence, to the tokens prefilled with ``compress=True`` (tokens appended by ``decode`` are held on top of
+    it, unless the recipe compresses while decoding, whose cap counts every token). The model's weights are its
+    parameters (shared with the model it was applied to, as a wrapper shares them), so ``.to(device)`` /
+    ``.to(dtype)`` move both; the graph is captured again for the new dtype or device, whose casts it bakes in.
+    """
+
+    def __init__(
+        self, programs: Programs, spec: ModelSpec, recipe: Recipe, budget: Budget, *, page_size: int = 16,
+        prefill_chunk: int | None = None, generation_config=None, device: torch.device | str = "cpu",
+        source: nn.Module | None = None,
+    ):
+        super().__init__()
+        if recipe.scorer is None and not budget.is_full:
+            raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
+        self.programs, self.spec, self.recipe, self.budget = programs, spec, recipe, budget
+        self.source = source  # the model applied to: its weights are this model's parameters
+        self.scorer, self.allocator = recipe.build()
+        self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
+        self.prefill_chunk, self.generation_config = prefill_chunk, generation_config
+        self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
+                                  dtype=spec.dtype, page_size=page_size, device=device)
+        if self.schedule is not None and budget.kind != "fraction":  # the cap is known now: check it fits
+            self._fit_schedule(0)
+        self.reset()
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    @property
+    def seen(self) -> Tensor | None:
+        """[B] tokens each row has read (the position of its next token); None when the cache is empty."""
+        return self.cache.seen if self.cache.batch_size else None
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """Logits [B, T, V] of a fresh prompt: ``reset`` then ``prefill`` (which compresses it to the budget)."""
+        self.reset()
+        return self.prefill(input_ids, attention_mask)
+
+    def _apply(self, fn, *args, **kwargs):
+        if self.source is None:
+            raise ValueError("this model has no source module to move (a loaded artifact runs compiled code for one "
+                             "device and dtype: kvcompile.load(folder, device=...) it again instead)")
+        super()._apply(fn, *args, **kwargs)
+        self._follow_weights()
+        return self
+
+    def _follow_weights(self) -> None:
+        """Capture again when the weights moved to another dtype or device since the programs were captured
+        (by ``.to()`` here, or on the source model itself)."""
+        weight = next(self.source.parameters()) if self.source is not None else None
+        if weight is None or self.programs.captured_for() == (weight.dtype, weight.device):
+            return
+        self.spec = ModelSpec.from_model(self.source)
+        self.programs = Programs.of(self.source, self.spec).compile(self.programs.compiled)
+        self.cache.to(device=weight.device, dtype=weight.dtype)
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        """Forget every sequence; the next ``prefill`` starts fresh."""
+        self.cache.setup(0)
+        self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
+        self.decoder: DecodeCompressor | None = None  # the decode schedule's state, from the first decode step on
+        self.query_aware: bool | None = None  # how the last compression was made (see cache_stats)
+        self._pending: list[tuple[Tensor, Tensor]] = []  # (ids, real) read since the last compression (KVzip)
+        self._observing = False  # a prefill(compress=False) left a compression pending: keep observing queries
+
+    def _start(self, batch_size: int) -> None:
+        self.reset()
+        self._follow_weights()
+        self.cache.setup(batch_size)
+        self.context_tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+
+    @property
+    def decode_window(self) -> int:
+        """Queries per layer the decode schedule reads while generating (0: none, the ring is released)."""
+        schedule = self.decoder.schedule if self.decoder else self.schedule  # a small cap may have fitted it
+        return schedule.observation_window if schedule else 0
+
+    @property
+    def observation_window(self) -> int:
+        """Queries per layer this model reads when it compresses (its scorer's sources) or decodes."""
+        scorer = observation.window(self.scorer.sources()) if self.scorer else 0
+        return max(self.decode_window, scorer)
+
+    def budget_bytes(self) -> Tensor:
+        """[B] bytes each sequence may hold: of the tokens prefilled with ``compress=True``, or of every token read
+        when the recipe compresses while decoding (its cap counts generated tokens)."""
+        tokens = self.cache.seen if self.schedule is not None and self.decoder is not None else self.context_tokens
+        return self.cache.budget_bytes(self.budget, tokens)
+
+    def cache_stats(self) -> dict:
+        """Bytes held and allocated (``PagedKVCache.stats``), the budget, per-(layer, KV head) lengths.
+
+        ``query_aware``: True when the compression could see the question (``generate`` without ``context_ids``,
+        or a query-aware recipe), False when the context was compressed before it was read, None when ``prefill``
+        compressed a prompt whose parts kvcompile was not told."""
+        if self.seen is None:
+            raise RuntimeError("the cache is empty: call prefill (or generate) first")
+        stats = self.cache.stats()
+        bytes_full = int(self.seen.sum()) * self.spec.num_layers * self.spec.num_kv_heads * self.cache.token_bytes
+        budget = None if self.budget.is_full else int(self.budget_bytes().sum())
+        schedule = self.decoder.schedule if self.decoder else self.schedule
+        stats.update(
+            bytes_full=bytes_full, budget_bytes=budget, budget=str(self.budget), recipe=self.recipe.tag,
+            query_aware=self.query_aware, tokens_held=int(self.cache.lengths.long().sum()),
+            peak_bytes_held=stats["peak_bytes"]["payload"],
+            decode_schedule=None if schedule is None else dataclasses.asdict(schedule),
+        )
+        return stats
+
+    # ------------------------------------------------------------------ steps
+    def _prefill_step(self, ids: Tensor, real: Tensor, name: str, compressing: bool) -> Tensor:
+        step = self.cache.append(real, observe=self.observation_window if compressing else self.decode_window)
+        return self.programs.run(name, ids.to(self.device), step, self.cache)
+
+    def prefill(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True, logits: str = "all"
+    ) -> Tensor:
+        """Append a prompt to the cache and return its logits: [B, T, V], or [B, 1, V] with ``logits="last"``.
+
+        With ``compress`` (the default) the cache is compressed to the budget afterwards, and between chunks when
+        ``prefill_chunk`` was set, so the cache peaks at about budget + one chunk. Left-padded batches are fine:
+        padding (``attention_mask == 0``) is never stored. A later call appends (multi-turn); the budget is then
+        measured against every token prefilled with ``compress=True``. With ``compress=False`` nothing is evicted
+        and the observed queries are kept for a later ``compress()`` (or a ``fork`` that compresses).
+        """
+        if logits not in ("all", "last"):
+            raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
+        return self._prefill(input_ids, self._check(input_ids, attention_mask), compress, logits)
+
+    def _check(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The real-token mask of a batch that extends the cache, on the device, after ``checks.tokens``."""
+        real = checks.tokens(input_ids, attention_mask, vocab_size=self.programs.vocab_size,
+                             rows=self.cache.batch_size or None, seen=self.seen, max_positions=self.spec.max_positions)
+        return real.to(self.device)
+
+    def _prefill(self, input_ids: Tensor, real: Tensor, compress: bool, logits: str, pending: bool = True) -> Tensor:
+        if self.seen is None:
+            self._start(input_ids.shape[0])
+        if compress:
+            self.context_tokens = self.context_tokens + real.sum(1)
+        chunk = self.prefill_chunk or input_ids.shape[1]
+        name, outs = ("prefill" if logits == "all" else "prefill_last"), []
+        for start in range(0, input_ids.shape[1], chunk):
+            ids, r = input_ids[:, start : start + chunk], real[:, start : start + chunk]
+            outs.append(self._prefill_step(ids, r, name, compressing=compress or pending))
+            self._pending.append((ids, r))
+            if compress:
+                self._compress()
+        self._observing = pending and not compress
+        if not self._observing:
+            self.cache.observe(self.decode_window)  # nothing left to compress: keep what decoding reads
+        if compress:
+            self.query_aware = True if self.recipe.query_aware else None
+        self.decoder = None  # a new turn: the decode schedule starts again at the next decode step
+        return torch.cat(outs, 1) if logits == "all" else outs[-1]
+
+    def compress(self) -> None:
+        """Compress the cache to the budget now, measured against every token read so far (what ``fork`` cells
+        call after a shared ``prefill(..., compress=False)``)."""
+        if self.seen is None:
+            raise RuntimeError("the cache is empty: call prefill first")
+        self.context_tokens = self.cache.seen.clone()
+        self._compress()
+        self._observing = False
+        self.cache.observe(self.decode_window)
+
+    def _compress(self) -> None:
+        """Compress to ``budget_bytes`` if over it, with the scorer's declared sources."""
+        if self.budget.is_full or self.scorer is None:
+            self._pending = []  # nothing will ever be compressed
+            return
+        budget = self.budget_bytes()
+        if not bool((self.cache.bytes_held() > budget).any()):
+            return
+        with self.observing() as cache:
+            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers)
+        self._pending = []
+
+    @contextlib.contextmanager
+    def observing(self):
+        """The cache as the scorer sees it when it compresses, with its declared sources supplied (KVzip's
+        reconstruction of the tokens read since the last compression is prefilled, and dropped again on exit)."""
+        ids, real = (torch.cat(x, 1) for x in zip(*self._pending)) if self._pending else (None, None)
+        rerun = lambda i, r: self._prefill_step(i, r, "prefill_last", compressing=True)  # noqa: E731
+        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real):
+            yield self.cache
+
+    def decode(self, input_ids: Tensor) -> Tensor:
+        """Append one token per sequence ([B, 1]) and return its logits [B, 1, V]."""
+        if self.seen is None:
+            raise RuntimeError("decode needs a prefilled cache: call prefill first")
+        if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[1] != 1:
+            raise ValueError(f"decode takes one token per sequence, got input_ids of shape {tuple(input_ids.shape)}")
+        return self._decode(input_ids, self._check(input_ids))
+
+    def _decode(self, input_ids: Tensor, real: Tensor | None = None) -> Tensor:
+        self._begin_decoding()
+        return self._advance("decode", input_ids, real)
+
+    def decode_many(self, input_ids: Tensor) -> Tensor:
+        """Append T known tokens per sequence ([B, T]) exactly as T ``decode`` calls would; returns logits [B, T, V].
+
+        For teacher forcing (scoring a known continuation) at a fraction of the cost: the prefill program reads the
+        tokens a segment at a time, each segment ending where the decode schedule runs, so every token sees the
+        cache that T ``decode`` calls would have shown it (up to floating-point summation order).
+        """
+        if self.seen is None:
+            raise RuntimeError("decode_many needs a prefilled cache: call prefill first")
+        real = self._check(input_ids)
+        self._begin_decoding()
+        outs, start, T = [], 0, input_ids.shape[1]
+        while start < T:
+            n = T - start if self.decoder is None else min(T - start, self.decoder.until_run())
+            outs.append(self._advance("prefill", input_ids[:, start : start + n], real[:, start : start + n]))
+            start += n
+        return torch.cat(outs, 1)
+
+    def _begin_decoding(self) -> None:
+        if self.decoder is None and self.schedule is not None:  # decoding starts: the cap holds from here on
+            decoder = DecodeCompressor(self.schedule, self.budget, self.programs.layers)
+            decoder.start(self.cache)
+            self.decoder = decoder
+
+    def _advance(self, name: str, input_ids: Tensor, real: Tensor | None) -> Tensor:
+        """Append ``input_ids`` [B, n] as n decode steps (no schedule run falls inside them), then run it if due."""
+        if real is None:
+            real = torch.ones(input_ids.shape, dtype=torch.bool, device=self.device)
+        ahead = 1 if self.decoder is not None else RESERVE_AHEAD  # a schedule reserves its own room
+        observe = self.observation_window if self._observing else self.decode_window
+        step = self.cache.append(real, observe=observe, reserve_ahead=ahead)
+        logits = self.programs.run(name, input_ids.to(self.device), step, self.cache)
+        if self.decoder is not None:
+            self.decoder.step(self.cache, input_ids.shape[1])
+        return logits
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, context_ids: Tensor | None = None,
+        context_mask: Tensor | None = None, max_new_tokens: int = 32, do_sample: bool = False,
+        temperature: float = 1.0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
+        pad_token_id: int | None = None, generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Generate up to ``max_new_tokens`` after ``input_ids``; returns [B, T + new] (input then new tokens).
+
+        With ``context_ids``, the context is prefilled and compressed *before* ``input_ids`` (the question) is read,
+        so no ranking can see the question (query-agnostic). Without it, ``input_ids`` itself is compressed
+        after prefill (``cache_stats()["query_aware"]`` is then True). Finished rows are padded with
+        ``pad_token_id`` (default: the first eos id).
+        """
+        if eos_token_id is None and self.generation_config is not None:
+            eos_token_id = self.generation_config.eos_token_id
+        eos = checks.generation(max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_token_id, generator)
+        pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+        context_real, real = checks.prompt(input_ids, attention_mask, context_ids, context_mask, max_new_tokens,
+                                           vocab_size=self.programs.vocab_size, max_positions=self.spec.max_positions)
+        if self.schedule is not None and max_new_tokens > 1:
+            self._fit_schedule(int(real.sum(1).min()) + (0 if context_ids is None else int(context_real.sum(1).min())))
+        self.reset()
+        if context_ids is not None:
+            self._prefill(context_ids, context_real.to(self.device), True, "last")
+        logits = self._prefill(input_ids, real.to(self.device), context_ids is None, "last", pending=False)
+        self.query_aware = context_ids is None or self.recipe.query_aware
+        if self.schedule is None:  # one reservation for the whole generation (a decode schedule reserves its own)
+            self.cache.reserve(max_new_tokens)
+        sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator)
+        new = generate_tokens(self._decode, logits, max_new_tokens, torch.tensor(eos, device=self.device), pad, sampling)
+        return torch.cat([input_ids.to(self.device), new], 1)
+
+    def _fit_schedule(self, tokens: int) -> None:
+        """Raise, before anything changes, when the decode cap for ``tokens`` read cannot hold the schedule."""
+        self.schedule.fitted(int(self.cache.budget_tokens(self.budget, torch.tensor([tokens + 1]))))
+
+    # ------------------------------------------------------------------ forking
+    def fork(self, recipe: str | Recipe | None = None, budget: float | int | str | None = None, *,
+             compile=None) -> "CompressedModel":
+        """A copy of this model's cache and counters, retargeted to ``recipe`` / ``budget``, over the same programs.
+
+        Lets one prefill serve many (recipe, budget) cells: ``prefill(context, compress=False)`` once, then
+        ``fork(recipe, budget).compress()`` per cell. Nothing is captured or rewritten again; only the cache is
+        copied. ``compile``: run the copy compiled (``True`` or a backend, as in ``kvcompile.apply``) or eager
+        (``False``); None keeps this model's programs. When a compression is pending, the target recipe may read at most the queries this cache kept (its
+        scorer's and its decode schedule's windows); otherwise this raises, naming both.
+        """
+        recipe = self.recipe if recipe is None else get_recipe(recipe)
+        budget = self.budget if budget is None else Budget.parse(budget)
+        programs = self.programs if compile is None else self.programs.compile(compile)
+        child = CompressedModel(programs, self.spec, recipe, budget, page_size=self.cache.page_size,
+                                prefill_chunk=self.prefill_chunk, generation_config=self.generation_config,
+                                device=self.device, source=self.source)
+        if self.seen is None:
+            return child
+        window, kept = child.observation_window, self.cache.ring.capacity
+        if self._observing and window > kept and kept < int(self.seen.max()):
+            raise ValueError(
+                f"recipe {recipe.name!r} reads the last {window} queries of each layer but this cache kept {kept}; "
+                "prefill the shared context with compress=False under the widest-window recipe"
+            )
+        child.cache = copy.deepcopy(self.cache)
+        child.context_tokens, child._pending = self.context_tokens.clone(), list(self._pending)
+        child.query_aware, child._observing = self.query_aware, self._observing
+        if self.decoder is not None and (recipe, budget) == (self.recipe, self.budget):
+            child.decoder = copy.deepcopy(self.decoder, memo={id(self.programs.layers): self.programs.layers})
+        child.cache.observe(window)
+        return child

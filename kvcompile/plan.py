@@ -1,0 +1,92 @@
+"""The one plan type of every compression: which entries each head keeps, and what new entries it writes.
+
+Prefill compression (``compress``) and decode-time schedules (``schedule``) both end in a ``Plan``, and
+``PagedKVCache.keep`` is the one function that applies it. Shape letters: L layers, B rows, Hkv KV heads, K entries
+kept per head at most, E new entries per head at most, D head dim.
+
+Protection is explicit: every held token has a level, and a head keeps higher levels first, then higher scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+# protection levels: a higher level is kept first (``select``); -1 marks a slot that holds nothing
+RECENT, SINK, PINNED, PROMPT, SCORED = 4, 3, 2, 1, 0
+EMPTY = -1
+DTYPE_FORMAT = 0  # the only page format so far: the model's dtype (pool 0)
+
+
+@dataclass
+class NewEntries:
+    """Entries a plan writes after a head's kept ones (summaries, merged or synthetic entries).
+
+    keys, values [L, B, Hkv, E, D]; positions [L, B, Hkv, E]; counts [L, B, Hkv] how many of the E each head
+    writes; log_weights [L, B, Hkv, E]: an entry's attention logit gets + log w, so it stands for w tokens with its
+    key (0 = an ordinary token, the only weight attention honours so far)."""
+
+    keys: Tensor
+    values: Tensor
+    positions: Tensor
+    counts: Tensor
+    log_weights: Tensor | None = None
+
+    def __post_init__(self):
+        if self.log_weights is None:
+            self.log_weights = torch.zeros(self.positions.shape, device=self.positions.device)
+
+
+@dataclass
+class Plan:
+    """What every head holds after a compression.
+
+    keep [L, B, Hkv, K]: logical indices of the entries kept, ascending in each head's first ``counts`` [L, B, Hkv]
+    (the rest is ignored); formats [L, B, Hkv, K]: the page format (pool) of each kept entry (None: all in
+    ``DTYPE_FORMAT``); new: entries written after the kept ones (None: none). A head then holds
+    ``counts + new.counts`` entries, kept ones first, in their old order."""
+
+    keep: Tensor
+    counts: Tensor
+    formats: Tensor | None = None
+    new: NewEntries | None = None
+
+    @property
+    def lengths(self) -> Tensor:
+        """[L, B, Hkv] entries each head holds once the plan is applied."""
+        return self.counts if self.new is None else self.counts + self.new.counts.to(self.counts.dtype)
+
+    @classmethod
+    def of_mask(cls, kept: Tensor, **fields) -> "Plan":
+        """The plan that keeps the ``kept`` [L, B, Hkv, S] entries."""
+        return cls(kept_indices(kept), kept.sum(-1), **fields)
+
+
+def kept_indices(kept: Tensor) -> Tensor:
+    """Logical indices [..., K] of the ``kept`` [..., S] entries, ascending; K is the most any head keeps (>= 1)."""
+    S = kept.shape[-1]
+    idx = torch.arange(S, device=kept.device).expand_as(kept)
+    K = max(int(kept.sum(-1).max()), 1)
+    return torch.where(kept, idx, S).sort(-1).values[..., :K]
+
+
+def rank(scores: Tensor, levels: Tensor | None = None) -> Tensor:
+    """Rank [..., S] of every entry (0 = kept first): by level, then by score, then by position."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    if levels is not None:
+        order = order.gather(-1, levels.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+    return order.argsort(dim=-1)
+
+
+def select(scores: Tensor, counts: Tensor, levels: Tensor | None = None, **fields) -> Plan:
+    """The plan keeping each head's ``counts`` [...] best entries of ``scores`` [..., S] (``rank``)."""
+    return Plan.of_mask(rank(scores, levels) < counts[..., None], **fields)
+
+
+def pinned_levels(scores: Tensor, pinned_at: float) -> Tensor:
+    """Levels of prefill scores: PINNED where a scorer pinned a token (a score >= ``pinned_at``, see
+    ``methods.base.protect``), SCORED for the rest, EMPTY where nothing is held (-inf)."""
+    level = torch.where(scores >= pinned_at, PINNED, SCORED)
+    return level.masked_fill(scores == float("-inf"), EMPTY)

@@ -1,0 +1,130 @@
+"""The programs a ``CompressedModel`` runs: the captured graph rewritten once into a prefill and a decode program
+(``passes.rewrite``), compiled on request, and called through one declared convention (``signature``).
+
+One ``Programs`` serves every recipe and budget of a captured model: re-targeting (``kvcompile.apply`` on a
+``CompressedModel``) and ``fork`` share it, so nothing is rewritten twice, and each compiled variant is made once
+per backend. A compiled decode program compiles once per batch size: the pool size, the page-table width and the
+ring length are marked dynamic at every call, so no prompt length, generated token or decode-time eviction
+recompiles it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, fx
+
+from torch import nn
+
+from . import passes
+from .cache import PagedKVCache, Step
+from .capture import capture
+from .signature import DECODE_DYNAMIC, INPUTS
+from .spec import LayerSpec, ModelSpec
+
+NAMES = ("prefill", "prefill_last", "decode", "decode_packed")
+
+
+@dataclass
+class Programs:
+    """``prefill`` / ``prefill_last`` / ``decode`` / ``decode_packed``: ``forward(*signature.INPUTS) -> logits``
+    (eager FX graphs, their compiled versions, or loaded AOTInductor packages). ``prefill_last`` returns only the
+    last position's logits (what generation needs); ``decode_packed`` reads a packed cache (``PagedKVCache.packed``)
+    in place instead of gathering it (None: ``decode`` serves every layout, as in an exported artifact).
+    ``layers``: one ``LayerSpec`` per layer; ``vocab_size``: rows of the token embedding (None: unknown);
+    ``captured``: the captured model graph (None for a loaded artifact); ``compiled``: the backend, if any."""
+
+    prefill: Callable
+    prefill_last: Callable
+    decode: Callable
+    decode_packed: Callable | None
+    layers: tuple[LayerSpec, ...]
+    vocab_size: int | None = None
+    captured: fx.GraphModule | None = None
+    compiled: object = None
+    _variants: dict = field(default_factory=dict, repr=False)
+    _weights: tuple = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, model: nn.Module, spec: ModelSpec) -> "Programs":
+        """Capture ``model`` (``capture.capture``) and rewrite it. The graph bakes in the weights' dtype and device
+        (the model's own casts), so a model moved to another one must be captured again."""
+        return cls.rewrite(capture(model, spec), spec)
+
+    def captured_for(self) -> tuple[torch.dtype, torch.device] | None:
+        """(dtype, device) of the weights when they were captured (None for a loaded artifact)."""
+        if self.captured is None:
+            return None
+        return self._variants[None]._weights
+
+    @classmethod
+    def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, stream_weights: bool | None = None) -> "Programs":
+        """The four eager programs of ``captured``; ``stream_weights``: decode's projections as ``streamed_linear``
+        (default: on CPU, where it is measured to be faster)."""
+        cuda = next(captured.parameters()).device.type == "cuda"
+        stream = not cuda if stream_weights is None else stream_weights
+        prefill, scales = passes.rewrite(captured, spec, decode=False)
+        prefill_last, _ = passes.rewrite(captured, spec, decode=False, last_logits=True)
+        decode, _ = passes.rewrite(captured, spec, decode=True, stream_weights=stream)
+        decode_packed, _ = passes.rewrite(captured, spec, decode=True, packed=True, stream_weights=stream)
+        programs = cls(prefill, prefill_last, decode, decode_packed, spec.layers(scales), _vocab_size(captured), captured)
+        programs._variants[None] = programs  # every variant shares this table: compile(False) gives the eager ones
+        weight = next(captured.parameters())
+        programs._weights = (weight.dtype, weight.device)
+        return programs
+
+    def compile(self, backend) -> "Programs":
+        """These programs through ``torch.compile`` with ``backend`` (``True``: Inductor), made once per backend.
+
+        Prefill: dynamic shapes. Decode: static shapes except ``signature.DECODE_DYNAMIC``, marked at each call,
+        so it compiles once per batch size; in a CUDA graph on CUDA (mode="reduce-overhead", not yet run on a GPU)."""
+        if not backend:
+            return self._variants.get(None, self)
+        if self.captured is None:
+            raise ValueError("these programs were loaded from an artifact: they are compiled already")
+        backend = "inductor" if backend is True else backend
+        key = backend if isinstance(backend, str) else id(backend)
+        if key not in self._variants:
+            eager = self._variants[None]
+            cuda = next(eager.captured.parameters()).device.type == "cuda"
+            mode = "reduce-overhead" if cuda and backend == "inductor" else None
+            prefill, prefill_last = (torch.compile(p, backend=backend, fullgraph=True, dynamic=True)
+                                     for p in (eager.prefill, eager.prefill_last))
+            decode, decode_packed = (torch.compile(p, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+                                     for p in (eager.decode, eager.decode_packed))
+            self._variants[key] = Programs(prefill, prefill_last, decode, decode_packed, self.layers, self.vocab_size,
+                                           self.captured, backend, self._variants)
+        return self._variants[key]
+
+    def run(self, name: str, input_ids: Tensor, step: Step, cache: PagedKVCache) -> Tensor:
+        """Call program ``name`` ("prefill", "prefill_last" or "decode") on a step: the packed decode where the
+        cache's layout allows it."""
+        if name == "decode" and self.decode_packed is not None and cache.packed():
+            name = "decode_packed"
+        args = (input_ids.contiguous(), step.position_ids, step.q_pos, step.slots, step.ring_slots,
+                *cache.program_tensors())
+        if self.compiled is not None and name.startswith("decode"):
+            _mark_dynamic(args)
+        with torch.no_grad():
+            return getattr(self, name)(*args)
+
+
+def _mark_dynamic(args) -> None:
+    """Mark the sizes a compiled decode must not specialise on (sizes of 0 or 1 stay static: dynamo would
+    specialise on them anyway, and the cache keeps the page table at least ``cache.MIN_WIDTH`` wide)."""
+    for tensor, spec in zip(args, INPUTS):
+        dims = [d for d, name in spec.dims if name in DECODE_DYNAMIC and tensor.shape[d] > 1]
+        if dims:
+            torch._dynamo.mark_dynamic(tensor, dims)
+
+
+def _vocab_size(captured: fx.GraphModule) -> int | None:
+    """Rows of the embedding table that ``input_ids`` indexes, read from the graph (None: not found)."""
+    ids = next(n for n in captured.graph.nodes if n.op == "placeholder")
+    for node in ids.users:
+        if node.target == torch.ops.aten.embedding.default and node.args[1] is ids:
+            weight = node.args[0]
+            return int(weight.meta["val"].shape[0]) if "val" in weight.meta else int(captured.get_parameter(weight.target).shape[0])
+    return None

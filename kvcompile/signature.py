@@ -1,0 +1,38 @@
+"""The programs' calling convention, declared once: what a rewritten program takes, and which sizes vary.
+
+Every program is ``forward(*INPUTS) -> logits``. The passes add the inputs after the captured graph's own two
+(``passes.InsertPagedAttention``), the runtime fills them from a ``cache.Step`` and the cache
+(``programs.Programs.run``), ``torch.compile`` marks the varying sizes dynamic, and ``artifact.export`` turns the
+same names into ``torch.export`` dimensions. Dimension names: batch rows, tokens of the call, pages of the pool,
+width of the page table, ring slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    dims: tuple[tuple[int, str], ...]  # (dim, name) of every size that varies from call to call
+    source: str  # "model": the captured graph's own input; "step": from a ``cache.Step``; "cache": a cache tensor
+
+
+INPUTS = (
+    Input("input_ids", ((0, "batch"), (1, "tokens")), "model"),
+    Input("position_ids", ((0, "batch"), (1, "tokens")), "step"),
+    Input("q_pos", ((0, "batch"), (1, "tokens")), "step"),
+    Input("slots", ((1, "batch"), (3, "tokens")), "step"),
+    Input("ring_slots", ((0, "batch"), (1, "tokens")), "step"),
+    Input("k_pages", ((0, "pages"),), "cache"),
+    Input("v_pages", ((0, "pages"),), "cache"),
+    Input("page_pos", ((0, "pages"),), "cache"),
+    Input("page_table", ((1, "batch"), (3, "width")), "cache"),
+    Input("lengths", ((1, "batch"),), "cache"),
+    Input("obs_q", ((1, "batch"), (3, "ring")), "cache"),
+)
+ADDED = tuple(i.name for i in INPUTS[2:])  # what the passes add after (input_ids, position_ids)
+CACHE = tuple(i.name for i in INPUTS if i.source == "cache")
+# what a compiled decode program keeps dynamic: the cache's sizes change, its batch and one token do not
+DECODE_DYNAMIC = ("pages", "width", "ring")
