@@ -49,6 +49,13 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: {e}") from e
 
 
+# Version 2 (behaviour changed after the recipe was added, before versions were fingerprinted):
+#   h2o, criticalkv: 2b142f9, ``merge_rankings`` returns the first criterion's values instead of negated ranks
+#     (where those values tie, the tie now goes to the earlier token, not the better merged rank); CriticalKV's
+#     two stages split only the tokens its base does not protect.
+#   adakv-snapkv, adakv-expected-attention, kvzip: 25dfcbb, pinned tokens beyond a budget go round-robin between
+#     heads (``pooled_rank``) instead of all to the first head.
+#   adakv-criticalkv: both.
 _BUILTIN = [
     Recipe("full", None, source="no compression (reference)"),
     Recipe("random", "random", source="uniform random eviction (control)"),
@@ -60,13 +67,13 @@ _BUILTIN = [
         source="https://arxiv.org/abs/2406.02069",
     ),
     Recipe(
-        "adakv-snapkv", "snapkv", "adakv", {"window": 32, "kernel": 7}, {"alpha_safeguard": 0.2},
+        "adakv-snapkv", "snapkv", "adakv", {"window": 32, "kernel": 7}, {"alpha_safeguard": 0.2}, version=2,
         source="https://arxiv.org/abs/2407.11550",
     ),
     # scorers (prefill time); every one is query-agnostic: the context is compressed before the question is read
     Recipe("tova", "tova", scorer_args={"pool": "layer"}, source="https://arxiv.org/abs/2401.06104"),
     Recipe(
-        "h2o", "h2o", scorer_args={"window": 8192, "block": 256, "heavy_ratio": 0.5},
+        "h2o", "h2o", scorer_args={"window": 8192, "block": 256, "heavy_ratio": 0.5}, version=2,
         source="https://arxiv.org/abs/2306.14048",
     ),
     Recipe("keydiff", "keydiff", source="https://arxiv.org/abs/2504.15364"),
@@ -78,7 +85,7 @@ _BUILTIN = [
     Recipe(
         "adakv-expected-attention", "expected-attention", "adakv",
         {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.01},
-        {"alpha_safeguard": 0.2},
+        {"alpha_safeguard": 0.2}, version=2,
         source="https://arxiv.org/abs/2510.00636 (kvpress leaderboard pairing: AdaKV, epsilon 1e-2)",
     ),
     Recipe(
@@ -86,12 +93,12 @@ _BUILTIN = [
         scorer_args={
             "base": "snapkv", "base_args": {"window": 32, "kernel": 7}, "epsilon": 1e-4, "first_stage_ratio": 0.5,
         },
-        source="https://arxiv.org/abs/2502.03805",
+        version=2, source="https://arxiv.org/abs/2502.03805",
     ),
     Recipe(
         "adakv-criticalkv", "criticalkv", "adakv",
         {"base": "snapkv", "base_args": {"window": 32, "kernel": 7}, "epsilon": 1e-4, "first_stage_ratio": 0.5},
-        {"alpha_safeguard": 0.2},
+        {"alpha_safeguard": 0.2}, version=2,
         source="https://arxiv.org/abs/2502.03805 (CriticalAdaKV)",
     ),
     Recipe(
@@ -100,7 +107,8 @@ _BUILTIN = [
         source="https://arxiv.org/abs/2507.08143",
     ),
     Recipe(
-        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, source="https://arxiv.org/abs/2505.23416"
+        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, version=2,
+        source="https://arxiv.org/abs/2505.23416",
     ),
     Recipe(
         "jacap", "jacap", scorer_args={"tau": 10.0, "window": 512, "n_sink": 4}, source="https://arxiv.org/abs/2609.08131"
