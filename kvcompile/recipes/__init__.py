@@ -2,7 +2,8 @@
 
 A recipe is data. ``kvcompile.recipes()`` lists them; ``apply(..., recipe="snapkv")`` uses one by name, and a
 ``Recipe`` object can be passed directly for a custom pairing. Bump ``version`` whenever a recipe's behaviour
-changes, so results that quote ``name@version`` stay comparable.
+changes, so results that quote ``name@version`` stay comparable; ``recipes.fingerprint`` and its test make sure
+it does.
 """
 
 from __future__ import annotations
@@ -39,6 +40,14 @@ class Recipe:
     @property
     def tag(self) -> str:
         return f"{self.name}@{self.version}"
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the behaviour fields and the code they run (``recipes.fingerprint``): it moves with any
+        change of behaviour, so a test can insist that the version moves too."""
+        from .fingerprint import fingerprint  # that module reads RECIPES, defined below
+
+        return fingerprint(self)
 
     def build(self):
         """(scorer, allocator) instances; bad parameters raise here, before the model is touched."""
