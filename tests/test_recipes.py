@@ -1,4 +1,4 @@
-"""Recipe identity: fingerprints tie behaviour to versions."""
+"""Recipe identity: fingerprints tie behaviour to versions, and every built-in recipe states its provenance."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import textwrap
 
 import pytest
 
-from kvcompile.recipes import RECIPES
+import kvcompile
+from kvcompile.cli import main as cli
+from kvcompile.eval.sweep import markdown
+from kvcompile.recipes import PROVENANCE, RECIPES, Recipe
 from kvcompile.recipes.fingerprint import check_fingerprints, code_closure, code_roots
 
 PROBE = '''
@@ -62,9 +65,9 @@ def test_changed_parameters_under_the_same_version_are_reported():
     assert "not recorded at this version" in message and "--record" in message, "a bump must be recorded too"
 
 
-def test_name_version_and_source_are_not_behaviour():
+def test_name_version_source_and_provenance_are_not_behaviour():
     snapkv = RECIPES["snapkv"]
-    renamed = dataclasses.replace(snapkv, name="other", version=7, source="x")
+    renamed = dataclasses.replace(snapkv, name="other", version=7, source="x", provenance="custom", inferred="y")
     assert renamed.fingerprint == snapkv.fingerprint
 
 
@@ -102,3 +105,37 @@ def test_fingerprints_are_the_same_in_another_process_with_another_hash_seed():
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [r.fingerprint for r in RECIPES.values()]
+
+
+# ------------------------------------------------------------------------------------------ provenance
+def test_every_builtin_recipe_states_its_provenance():
+    assert len(RECIPES) == 32
+    unstated = [name for name, r in RECIPES.items() if r.provenance == "custom"]
+    assert not unstated, f"built-in recipes must state their evidence: {unstated}"
+    assert {r.provenance for r in RECIPES.values()} <= set(PROVENANCE)
+
+
+def test_an_unknown_provenance_is_refused():
+    with pytest.raises(ValueError, match="provenance 'blog'"):
+        Recipe("x", "snapkv", provenance="blog")
+    assert Recipe("x", "snapkv").provenance == "custom"
+
+
+def test_recipes_show_tag_provenance_and_what_is_inferred(capsys):
+    assert str(kvcompile.recipes()["contourkv"]).startswith("contourkv@1: snapkv + contourkv (abstract; inferred: ")
+    assert str(kvcompile.recipes()["full"]) == "full@1: nothing evicted + uniform (control)"
+    assert cli(["recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 + len(RECIPES) and lines[0] == "| recipe | provenance | inferred | source |"
+    assert "| h2o@2 | peer | ranked once after prefill" in "\n".join(lines)
+
+
+def test_the_sweep_table_shows_provenance_next_to_the_recipe_tag():
+    row = {"task": "passkey", "recipe": "h2o", "provenance": "peer", "budget": "0.25", "score": 1.0, "n": 1,
+           "bytes_held_mean": 1024.0, "held_fraction": 0.25, "wall_s": 1.0, "kl_mean": None, "kl_p99": None,
+           "top1": None, "error": None}
+    config = {"length": 64, "n_samples": 1, "seed": 0, "recipe_tags": {"h2o": "h2o@2"},
+              "recipe_provenance": {"h2o": "peer"}}
+    text = markdown({"rows": [row], "timing": {"shared_prefill_s": 1.0, "contexts": 1, "cells_s": 1.0},
+                     "config": config})
+    assert "| task | recipe | provenance | budget |" in text and "| passkey | h2o@2 | peer | 0.25 |" in text

@@ -34,7 +34,7 @@ _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 
 def behaviour(recipe: Recipe) -> dict:
-    """The fields that decide what a recipe does: not its name, version or source."""
+    """The fields that decide what a recipe does: not its name, version, source or provenance."""
     return {"scorer": recipe.scorer, "allocator": recipe.allocator, "scorer_args": recipe.scorer_args,
             "allocator_args": recipe.allocator_args, "decode": recipe.decode}
 
