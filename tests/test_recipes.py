@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -102,7 +103,8 @@ def test_a_scorer_named_by_an_argument_is_part_of_the_code():
 
 def test_fingerprints_are_the_same_in_another_process_with_another_hash_seed():
     script = "from kvcompile.recipes import RECIPES; print(' '.join(r.fingerprint for r in RECIPES.values()))"
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    here = str(Path(kvcompile.__file__).parents[1])  # the same kvcompile as this process, installed or not
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": here}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [r.fingerprint for r in RECIPES.values()]
 
