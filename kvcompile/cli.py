@@ -4,6 +4,7 @@
 ``kvcompile eval``: a recipes x budgets x tasks sweep with one shared prefill per context (CSV, JSON, PNG).
 ``kvcompile fidelity``: KL, top-1, perplexity, greedy agreement and per-layer attention errors against the full cache.
 ``kvcompile lm-eval ...``: lm-eval's own command line with the ``kvcompile`` model and the ``kvc_*`` tasks.
+``kvcompile recipes``: the built-in recipes as a table: name@version, provenance, what is inferred, source.
 """
 
 from __future__ import annotations
@@ -120,6 +121,15 @@ def _fidelity(args) -> int:
     return 0
 
 
+def _recipes(args) -> int:
+    from kvcompile.recipes import recipes
+
+    print("| recipe | provenance | inferred | source |\n|---|---|---|---|")
+    for r in recipes().values():
+        print(f"| {r.tag} | {r.provenance} | {r.inferred or '-'} | {r.source} |")
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
@@ -160,8 +170,9 @@ def main(argv=None) -> int:
     fi.add_argument("--out", default=None, help="JSON output path")
     sub.add_parser("lm-eval", help="lm-eval's command line (kvcompile lm-eval --help) with the kvcompile model "
                    "and tasks registered")
+    sub.add_parser("recipes", help="list the built-in recipes: name@version, provenance, what is inferred, source")
     args = parser.parse_args(argv)
-    return {"demo": _demo, "eval": _eval, "fidelity": _fidelity}[args.command](args)
+    return {"demo": _demo, "eval": _eval, "fidelity": _fidelity, "recipes": _recipes}[args.command](args)
 
 
 if __name__ == "__main__":

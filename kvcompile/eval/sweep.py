@@ -30,8 +30,8 @@ from .decoding import greedy, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
 from .synthetic import get_task, make_sample
 
-COLUMNS = ["task", "recipe", "budget", "score", "n", "bytes_held_mean", "bytes_full_mean", "held_fraction",
-           "wall_s", "kl_mean", "kl_p99", "top1", "error"]
+COLUMNS = ["task", "recipe", "provenance", "budget", "score", "n", "bytes_held_mean", "bytes_full_mean",
+           "held_fraction", "wall_s", "kl_mean", "kl_p99", "top1", "error"]
 
 
 @dataclass
@@ -144,10 +144,10 @@ def run(
                 _separate(base, cells, context, question, tokenizer, task.max_new_tokens, answers, timing)
                 timing["separate_shared_s"] += prefill_s + context_cells_s
     bar.close()
-    rows = []
+    rows, provenance = [], {r.name: r.provenance for r, _ in cells}
     for (task, recipe, budget), cell in table.items():
-        row = {"task": task, "recipe": recipe, "budget": budget, "n": len(cell.scores), "wall_s": cell.wall,
-               "error": cell.error}
+        row = {"task": task, "recipe": recipe, "provenance": provenance[recipe], "budget": budget,
+               "n": len(cell.scores), "wall_s": cell.wall, "error": cell.error}
         if cell.scores:
             held, full = sum(cell.held) / len(cell.held), sum(cell.full) / len(cell.full)
             row.update(score=sum(cell.scores) / len(cell.scores), bytes_held_mean=held, bytes_full_mean=full,
@@ -161,7 +161,7 @@ def run(
         timing["shared_over_separate"] = timing["separate_shared_s"] / timing["separate_s"]
     config = {"recipes": list(dict.fromkeys(r.name for r, _ in cells)), "budgets": [str(b) for b in budgets],
               "tasks": tasks, "n_samples": n_samples, "length": length, "seed": seed, "query_aware": False,
-              "recipe_tags": {r.name: r.tag for r, _ in cells}}
+              "recipe_tags": {r.name: r.tag for r, _ in cells}, "recipe_provenance": provenance}
     return {"rows": rows, "timing": timing, "config": config}
 
 
@@ -200,11 +200,13 @@ def markdown(result: dict, model: str = "") -> str:
              "query-agnostic (context compressed before the question is read). Bytes: K/V pages held per request "
              "after compressing the context; wall: seconds per cell (compress + answer, all samples), the shared "
              "prefill excluded.", "",
-             "| task | recipe | budget | score | KiB held | held / full | wall s | KL mean | KL p99 | top-1 | error |",
-             "|" + "---|" * 11]
+             "| task | recipe | provenance | budget | score | KiB held | held / full | wall s | KL mean | KL p99 "
+             "| top-1 | error |", "|" + "---|" * 12]
+    tags, provenance = cfg["recipe_tags"], cfg["recipe_provenance"]
     for r in result["rows"]:
         kib = None if r["bytes_held_mean"] is None else r["bytes_held_mean"] / 1024
-        lines.append(f"| {r['task']} | {r['recipe']} | {r['budget']} | {fmt(r['score'], '.2f')} | {fmt(kib, '.0f')} | "
+        recipe = f"{tags[r['recipe']]} | {provenance[r['recipe']]}"
+        lines.append(f"| {r['task']} | {recipe} | {r['budget']} | {fmt(r['score'], '.2f')} | {fmt(kib, '.0f')} | "
                      f"{fmt(r['held_fraction'], '.3f')} | {r['wall_s']:.1f} | {fmt(r['kl_mean'], '.3f')} | "
                      f"{fmt(r['kl_p99'], '.2f')} | {fmt(r['top1'], '.2f')} | {r['error'] or ''} |")
     lines += ["", f"Shared prefill: {t['shared_prefill_s']:.1f} s for {t['contexts']} contexts, cells "
