@@ -25,8 +25,8 @@ class KVzip(Scorer):
     Inferred: (1) the paper's prompt is the tokenized "Repeat the previous context exactly." plus the chat
     template's reply prefix; scorers have no tokenizer, so the instruction is ``instruction_ids`` (default: none,
     the context alone). (2) The paper reconstructs in 2048-token chunks; here the whole prefilled prompt is one
-    chunk (with ``prefill_chunk``, each chunk is reconstructed when it is compressed and its queries also score
-    the tokens kept from earlier chunks)."""
+    chunk (with ``prefill_chunk``, every token read since the last compression is reconstructed when a chunk is
+    compressed, and its queries also score the tokens kept from earlier chunks)."""
 
     instruction_ids: tuple[int, ...] = ()
     n_sink: int = 4

@@ -89,6 +89,9 @@ _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts
 #   adakv-snapkv, adakv-expected-attention, kvzip: 25dfcbb, pinned tokens beyond a budget go round-robin between
 #     heads (``pooled_rank``) instead of all to the first head.
 #   adakv-criticalkv: both.
+# Version 3:
+#   kvzip: the reconstruction replays every token read since the last compression (with prefill_chunk, chunks that
+#     fit the budget are reconstructed with the next one), not only the chunk just read.
 _BUILTIN = [
     Recipe("full", None, source="no compression (reference)", provenance="control"),
     Recipe("random", "random", source="uniform random eviction (control)", provenance="control"),
@@ -148,7 +151,7 @@ _BUILTIN = [
         inferred="post-RoPE keys; blending fixed at 0.35, where kvpress uses the compression ratio; z-scores per head",
     ),
     Recipe(
-        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, version=2,
+        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, version=3,
         source="https://arxiv.org/abs/2505.23416", provenance="peer",
         inferred="no 'Repeat the previous context' instruction, as scorers have no tokenizer; one reconstruction chunk",
     ),
@@ -180,11 +183,11 @@ _BUILTIN = [
            inferred="the observed queries (last 32), 4 sinks, tau 1 from unofficial code; its layer budgets and "
                     "anchor pages left out"),
     Recipe("ripplekv", "snapkv", "ripplekv", {"window": 32, "kernel": 7}, {"ratio": 4.0},
-           source="https://arxiv.org/abs/2608.08684 (uniform until methods.ripplekv.calibrate fills layer_sensitivity)",
+           source="https://arxiv.org/abs/2608.08684 (uniform until calibration.ripplekv.calibrate fills layer_sensitivity)",
            provenance="abstract",
            inferred="the noise, 0.5 x RMS Gaussian; the KL; min-max normalisation; ratio 4; the calibration text"),
     Recipe("sgd-kv", "snapkv", "sgd-kv", {"window": 128, "kernel": 7}, {"reserve": 128},
-           source="https://arxiv.org/abs/2609.03235 (uniform until methods.sgdkv.calibrate fills head_scores)",
+           source="https://arxiv.org/abs/2609.03235 (uniform until calibration.sgdkv.calibrate fills head_scores)",
            provenance="abstract",
            inferred="the method from a full-text summary; a teacher-forced diagnostic, token-level matching, "
                     "reserve 128"),
@@ -194,7 +197,7 @@ _BUILTIN = [
            source="https://github.com/jhy-123/CateKV (ICML 2025)",
            provenance="official-code",
            inferred="consistent heads keep 0.25 of the uniform share, where the paper keeps adaptive heads full; "
-                    "a per-prompt CV test until calibrate fills adaptive_heads"),
+                    "a per-prompt CV test until calibration.catekv.calibrate fills adaptive_heads"),
     # decode time (kvcompile.schedule): the budget caps the cache while generating; the prefill scorer acts only
     # when the prompt alone is over the cap (SnapKV with a window of one query = the last query's attention)
     Recipe("inertiakv", "snapkv", scorer_args={"window": 1, "kernel": 1},
