@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import kvcompile
-from kvcompile.model import RESERVE_AHEAD
+from kvcompile.steps import RESERVE_AHEAD
 from kvcompile.programs import Programs
 
 RESULTS = Path(__file__).parent / "results"

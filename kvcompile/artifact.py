@@ -114,6 +114,7 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         "page_size": cm.cache.page_size,
         "prefill_chunk": cm.prefill_chunk,
         "eos_token_id": getattr(gen, "eos_token_id", None),
+        "torch": torch.__version__,
     }
     (out / "kvcompile.json").write_text(json.dumps(meta, indent=1))
     return out
@@ -124,26 +125,80 @@ class _GenerationConfig:
         self.eos_token_id = eos_token_id
 
 
-def load(path, *, device: str = "cpu") -> CompressedModel:
-    """A ``CompressedModel`` from an ``export`` folder; generates the same tokens as the model that was exported."""
-    folder = Path(path)
-    meta_file = folder / "kvcompile.json"
-    if not meta_file.exists():
-        raise FileNotFoundError(f"{folder} is not a kvcompile export (no kvcompile.json)")
-    meta = json.loads(meta_file.read_text())
+_MANIFEST = {  # key: (type, what it must be)
+    "format": (int, f"the export format, {_FORMAT}"),
+    "backend": (str, f"one of {sorted(_SUFFIX)}"),
+    "spec": (dict, "the model's attention geometry"),
+    "scales": (list, "one softmax scale per layer"),
+    "vocab_size": ((int, type(None)), "the vocabulary size"),
+    "recipe": (dict, "the recipe"),
+    "budget": (dict, "the budget"),
+    "page_size": (int, "tokens per page"),
+    "prefill_chunk": ((int, type(None)), "the prefill chunk"),
+    "torch": (str, "the torch version that compiled the packages"),
+}
+
+
+def _manifest(folder: Path) -> dict:
+    """The folder's ``kvcompile.json``, checked: present, JSON, every key of the schema with the right type, this
+    format, a known backend, the same torch. Raises naming the file and the problem."""
+    file = folder / "kvcompile.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{folder} is not a kvcompile export: {file.name} is missing")
+    try:
+        meta = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{file} must hold a JSON object")
     if meta.get("format") != _FORMAT:
-        raise ValueError(f"{folder}: export format {meta.get('format')!r}, this kvcompile reads format {_FORMAT}")
-    spec = meta["spec"] | {"dtype": getattr(torch, meta["spec"]["dtype"]), "windows": tuple(meta["spec"]["windows"])}
-    backend = meta.get("backend", "aoti")
-    if backend == "tensorrt":
+        raise ValueError(f"{file}: export format {meta.get('format')!r}, this kvcompile reads format {_FORMAT}; export again")
+    for key, (kind, what) in _MANIFEST.items():
+        if key not in meta:
+            raise ValueError(f"{file} has no {key!r} ({what}); the artifact is incomplete")
+        if not isinstance(meta[key], kind):
+            raise ValueError(f"{file}: {key!r} must be {what}, got {type(meta[key]).__name__}")
+    if meta["backend"] not in _SUFFIX:
+        raise ValueError(f"{file}: unknown backend {meta['backend']!r}")
+    if meta["torch"].split("+")[0] != torch.__version__.split("+")[0]:
+        raise ValueError(f"{folder} was compiled with torch {meta['torch']}, this is torch {torch.__version__}: "
+                         "compiled packages are not portable across versions; export it again")
+    return meta
+
+
+def _program(file: Path, backend: str):
+    """Load one compiled program, naming the file when it is missing or broken."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} is missing: the artifact is incomplete")
+    try:
+        if backend == "tensorrt":
+            return torch.export.load(str(file)).module()
+        return torch._inductor.aoti_load_package(str(file))
+    except Exception as e:  # noqa: BLE001 - any failure to read a package names the package
+        raise ValueError(f"{file} is not a loadable {backend} package ({type(e).__name__}: {e})") from e
+
+
+def load(path, *, device: str = "cpu") -> CompressedModel:
+    """A ``CompressedModel`` from an ``export`` folder; generates the same tokens as the model that was exported.
+
+    An artifact is code: its packages are compiled programs that run in this process, so load only folders from a
+    source you trust. The default (AOTInductor) path reads no pickle; ``backend="tensorrt"`` artifacts are read
+    by ``torch.export.load``, which may."""
+    folder = Path(path)
+    meta = _manifest(folder)
+    try:
+        spec = ModelSpec(**(meta["spec"] | {"dtype": getattr(torch, meta["spec"]["dtype"]),
+                                            "windows": tuple(meta["spec"]["windows"])}))
+        recipe, budget = Recipe(**meta["recipe"]), Budget(**meta["budget"])
+    except (TypeError, KeyError, AttributeError, ValueError) as e:
+        raise ValueError(f"{folder / 'kvcompile.json'}: spec, recipe or budget is malformed ({e})") from e
+    if len(meta["scales"]) != spec.num_layers:
+        raise ValueError(f"{folder / 'kvcompile.json'}: {len(meta['scales'])} scales for {spec.num_layers} layers")
+    if meta["backend"] == "tensorrt":
         _require_tensorrt(torch.device(device))
-        runners = [torch.export.load(str(folder / f"{n}.ep")).module() for n in _NAMES]
-    else:
-        runners = [torch._inductor.aoti_load_package(str(folder / f"{n}.pt2")) for n in _NAMES]
-    spec = ModelSpec(**spec)
+    runners = [_program(folder / f"{n}{_SUFFIX[meta['backend']]}", meta["backend"]) for n in _NAMES]
     programs = Programs(*runners, None, spec.layers(meta["scales"]), meta["vocab_size"])
     return CompressedModel(
-        programs, spec, Recipe(**meta["recipe"]), Budget(**meta["budget"]),
-        page_size=meta["page_size"], prefill_chunk=meta["prefill_chunk"],
-        generation_config=_GenerationConfig(meta["eos_token_id"]), device=device,
+        programs, spec, recipe, budget, page_size=meta["page_size"], prefill_chunk=meta["prefill_chunk"],
+        generation_config=_GenerationConfig(meta.get("eos_token_id")), device=device,
     )

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+MAX_TOKENS = 2**40  # tokens per KV head; far above any context, far below int64 overflow of the byte counts
+MAX_BYTES = 2**56
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMG]I?B|B)?\s*$", re.IGNORECASE)
 
 
@@ -29,8 +31,11 @@ class Budget:
         if isinstance(budget, bool) or budget is None:
             raise ValueError(f"budget must be a fraction in (0, 1], a token count or a size like '64MiB', got {budget!r}")
         if isinstance(budget, int):
-            if budget <= 0:
-                raise ValueError(f"budget as a token count must be a positive int (tokens per KV head), got {budget}")
+            if not 0 < budget <= MAX_TOKENS:
+                raise ValueError(
+                    f"budget as a token count must be a positive int (tokens per KV head) of at most {MAX_TOKENS}, "
+                    f"got {budget}"
+                )
             return cls("tokens", float(budget))
         if isinstance(budget, float):
             if math.isnan(budget):
@@ -46,8 +51,8 @@ class Budget:
             if not m:
                 raise ValueError(f"cannot read budget {budget!r}: expected a size such as '64MiB', '1.5GB' or '4096B'")
             size = float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
-            if size < 1:
-                raise ValueError(f"budget {budget!r} is smaller than one byte")
+            if not 1 <= size <= MAX_BYTES:
+                raise ValueError(f"budget {budget!r} must be between one byte and {MAX_BYTES} bytes")
             return cls("bytes", size)
         raise TypeError(f"budget must be a float, int or str, got {type(budget).__name__}")
 

@@ -133,7 +133,7 @@ def _recipes(args) -> int:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm-eval's own parser
-        from kvcompile.eval.harness import main as lm_eval_main
+        from kvcompile.eval.lm_eval_cli import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
     parser = argparse.ArgumentParser(prog="kvcompile", description=__doc__)

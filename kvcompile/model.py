@@ -24,11 +24,10 @@ from .programs import Programs
 from .recipes import Recipe, get_recipe
 from .schedule import DecodeCompressor, DecodeSchedule
 from .spec import ModelSpec
+from .steps import Steps
 
-RESERVE_AHEAD = 64  # tokens of room a plain decode reserves at a time (allocation stays off the step)
 
-
-class CompressedModel(nn.Module):
+class CompressedModel(Steps, nn.Module):
     """A causal LM over a compressed, ragged per-head paged KV cache. Build it with ``kvcompile.apply``.
 
     Positions keep counting the original sequence after eviction; keys are stored after RoPE. The budget applies
@@ -143,11 +142,7 @@ class CompressedModel(nn.Module):
         )
         return stats
 
-    # ------------------------------------------------------------------ steps
-    def _prefill_step(self, ids: Tensor, real: Tensor, name: str, compressing: bool) -> Tensor:
-        step = self.cache.append(real, observe=self.observation_window if compressing else self.decode_window)
-        return self.programs.run(name, ids.to(self.device), step, self.cache)
-
+    # ------------------------------------------------------------------ prefill
     def prefill(
         self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True, logits: str = "all"
     ) -> Tensor:
@@ -220,54 +215,6 @@ class CompressedModel(nn.Module):
         rerun = lambda i, r: self._prefill_step(i, r, "prefill_last", compressing=True)  # noqa: E731
         with observation.reconstructing(self.scorer, rerun, self.cache, ids, real):
             yield self.cache
-
-    def decode(self, input_ids: Tensor) -> Tensor:
-        """Append one token per sequence ([B, 1]) and return its logits [B, 1, V]."""
-        if self.seen is None:
-            raise RuntimeError("decode needs a prefilled cache: call prefill first")
-        if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[1] != 1:
-            raise ValueError(f"decode takes one token per sequence, got input_ids of shape {tuple(input_ids.shape)}")
-        return self._decode(input_ids, self._check(input_ids))
-
-    def _decode(self, input_ids: Tensor, real: Tensor | None = None) -> Tensor:
-        self._begin_decoding()
-        return self._advance("decode", input_ids, real)
-
-    def decode_many(self, input_ids: Tensor) -> Tensor:
-        """Append T known tokens per sequence ([B, T]) exactly as T ``decode`` calls would; returns logits [B, T, V].
-
-        For teacher forcing (scoring a known continuation) at a fraction of the cost: the prefill program reads the
-        tokens a segment at a time, each segment ending where the decode schedule runs, so every token sees the
-        cache that T ``decode`` calls would have shown it (up to floating-point summation order).
-        """
-        if self.seen is None:
-            raise RuntimeError("decode_many needs a prefilled cache: call prefill first")
-        real = self._check(input_ids)
-        self._begin_decoding()
-        outs, start, T = [], 0, input_ids.shape[1]
-        while start < T:
-            n = T - start if self.decoder is None else min(T - start, self.decoder.until_run())
-            outs.append(self._advance("prefill", input_ids[:, start : start + n], real[:, start : start + n]))
-            start += n
-        return torch.cat(outs, 1)
-
-    def _begin_decoding(self) -> None:
-        if self.decoder is None and self.schedule is not None:  # decoding starts: the cap holds from here on
-            decoder = DecodeCompressor(self.schedule, self.budget, self.programs.layers)
-            decoder.start(self.cache)
-            self.decoder = decoder
-
-    def _advance(self, name: str, input_ids: Tensor, real: Tensor | None) -> Tensor:
-        """Append ``input_ids`` [B, n] as n decode steps (no schedule run falls inside them), then run it if due."""
-        if real is None:
-            real = torch.ones(input_ids.shape, dtype=torch.bool, device=self.device)
-        ahead = 1 if self.decoder is not None else RESERVE_AHEAD  # a schedule reserves its own room
-        observe = self.observation_window if self._observing else self.decode_window
-        step = self.cache.append(real, observe=observe, reserve_ahead=ahead)
-        logits = self.programs.run(name, input_ids.to(self.device), step, self.cache)
-        if self.decoder is not None:
-            self.decoder.step(self.cache, input_ids.shape[1])
-        return logits
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

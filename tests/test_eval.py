@@ -163,7 +163,7 @@ def test_lm_eval_entry_point_adds_the_task_folder(monkeypatch):
     import lm_eval.__main__
 
     from kvcompile import cli
-    from kvcompile.eval.harness import TASKS_DIR
+    from kvcompile.eval.lm_eval_cli import TASKS_DIR
 
     seen = []
     monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(list(sys.argv)))

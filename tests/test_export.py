@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -19,10 +20,15 @@ def test_export_load_in_fresh_process_generates_same_tokens(llama_cm, tmp_path):
     expected = cm.generate(ids, mask, max_new_tokens=12, eos_token_id=[])
     kvcompile.export(cm, tmp_path / "artifact")
     torch.save({"ids": ids, "mask": mask}, tmp_path / "inputs.pt")
-    script = (
-        "import json, sys, torch, kvcompile\n"
-        f"cm = kvcompile.load({str(tmp_path / 'artifact')!r})\n"
+    script = (  # loading the artifact must not unpickle anything: every unpickler raises while it loads
+        "import json, pickle, sys, torch, kvcompile\n"
         f"x = torch.load({str(tmp_path / 'inputs.pt')!r})\n"
+        "def refuse(*a, **k): raise AssertionError('kvcompile.load unpickled something')\n"
+        "class Refused(pickle.Unpickler):\n    def __init__(self, *a, **k): refuse()\n"
+        "saved = pickle.load, pickle.loads, pickle.Unpickler, torch.load\n"
+        "pickle.load = pickle.loads = torch.load = refuse; pickle.Unpickler = Refused\n"
+        f"cm = kvcompile.load({str(tmp_path / 'artifact')!r})\n"
+        "pickle.load, pickle.loads, pickle.Unpickler, torch.load = saved\n"
         "out = cm.generate(x['ids'], x['mask'], max_new_tokens=12, eos_token_id=[])\n"
         "print(json.dumps({'tokens': out.tolist(), 'stats': cm.cache_stats()['bytes_held']}))\n"
     )
@@ -31,6 +37,34 @@ def test_export_load_in_fresh_process_generates_same_tokens(llama_cm, tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["tokens"] == expected.tolist()
     assert result["stats"] == cm.cache_stats()["bytes_held"]
+    check_broken_artifacts(tmp_path / "artifact", tmp_path)
+
+
+def check_broken_artifacts(good, tmp_path):
+    """Each way an artifact can be broken gets an error that names the file and the problem."""
+    def broken(name, edit):
+        folder = tmp_path / name
+        shutil.copytree(good, folder)
+        edit(folder)
+        return folder
+
+    def drop_key(key):
+        def edit(folder):
+            meta = json.loads((folder / "kvcompile.json").read_text())
+            del meta[key]
+            (folder / "kvcompile.json").write_text(json.dumps(meta))
+        return edit
+
+    cases = [
+        (drop_key("spec"), ValueError, r"kvcompile.json has no 'spec'"),
+        (lambda f: (f / "kvcompile.json").write_text("{not json"), ValueError, r"kvcompile.json is not valid JSON"),
+        (lambda f: (f / "decode.pt2").write_bytes(b"garbage"), ValueError, r"decode.pt2 is not a loadable aoti package"),
+        (lambda f: (f / "prefill.pt2").unlink(), FileNotFoundError, r"prefill.pt2 is missing"),
+        (lambda f: (f / "kvcompile.json").unlink(), FileNotFoundError, r"kvcompile.json is missing"),
+    ]
+    for i, (edit, error, message) in enumerate(cases):
+        with pytest.raises(error, match=message):
+            kvcompile.load(broken(f"broken{i}", edit))
 
 
 def test_export_errors(llama_cm, tmp_path):
@@ -49,3 +83,5 @@ def test_export_errors(llama_cm, tmp_path):
         kvcompile.export(cm, tmp_path, backend="onnx")
     with pytest.raises(FileNotFoundError, match="not a kvcompile export"):
         kvcompile.load(tmp_path)
+    with pytest.raises(ValueError, match="loaded from an artifact|no source module"):
+        kvcompile.CompressedModel(cm.programs, cm.spec, cm.recipe, cm.budget).to(torch.float64)

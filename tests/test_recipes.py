@@ -75,7 +75,8 @@ def test_name_version_source_and_provenance_are_not_behaviour():
 def test_a_changed_helper_or_constant_changes_the_fingerprint(tmp_path):
     base = probe_code(tmp_path, PROBE)
     assert set(base) == {"fp_probe.Probe", "fp_probe.helper", "fp_probe.OFFSET", "kvcompile.methods.base.Scorer",
-                         "kvcompile.methods.base.Observation"}  # the base class, and what its annotations name
+                         "kvcompile.methods.base.Observation", "kvcompile.methods.base.Source",
+                         "kvcompile.methods.base.QueryWindow"}  # the base class, and what its code and annotations name
     assert probe_code(tmp_path, PROBE.replace("return x + OFFSET", "return x - OFFSET")) != base
     assert probe_code(tmp_path, PROBE.replace("OFFSET = 1", "OFFSET = 2")) != base
 

@@ -229,3 +229,23 @@ def test_compact_matches_reference(seed, dtype, K):
     compact(*cache, keep_idx, keep_count)
     for got, exp in zip(cache[:3], expected):
         assert torch.equal(got, exp), f"seed={seed} lengths={lengths.tolist()} keep_count={keep_count.tolist()}"
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_decode_never_reads_rows_past_a_head(seed, poison):
+    """Non-finite values in the rows no head may read (scratch page, spare pages, rows past each head's length)
+    never reach an output: the kernel gives what the reference gives over the same pool with those rows zeroed."""
+    B, Hkv, G, P, D = 2, 3, 2, 4, 16
+    lengths = special_and_zipf_lengths(B * Hkv, P, cap=40).view(B, Hkv)
+    MAXP = max(1, (int(lengths.max()) + P - 1) // P) + 1
+    k_pages, v_pages, page_pos, page_table = make_cache(lengths, P, D, MAXP, torch.float32)
+    unread = k_pages == SENTINEL
+    q = torch.randn(B, Hkv * G, 1, D, device=DEVICE)
+    q_pos = torch.full((B, 1), int(lengths.max()), device=DEVICE)
+    lengths = lengths.to(DEVICE)
+    got = paged_decode(q, q_pos, k_pages.masked_fill(unread, poison), v_pages.masked_fill(unread, poison), page_pos,
+                       page_table, lengths, D**-0.5, 0)
+    want = reference.paged_attention(q, q_pos, k_pages.masked_fill(unread, 0), v_pages.masked_fill(unread, 0),
+                                     page_pos, page_table, lengths, D**-0.5, 0)
+    assert torch.isfinite(got).all(), f"seed={seed}: a poisoned unread row reached an output"
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed={seed}: {m}")

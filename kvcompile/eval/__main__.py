@@ -1,7 +1,7 @@
-"""``python -m kvcompile.eval ARGS``: lm-eval's command line with the kvcompile model and tasks (see ``harness``)."""
+"""``python -m kvcompile.eval ARGS``: lm-eval's command line with the kvcompile model and tasks (see ``lm_eval_cli``)."""
 
 import sys
 
-from kvcompile.eval.harness import main
+from kvcompile.eval.lm_eval_cli import main
 
 sys.exit(main())

@@ -18,13 +18,10 @@ request (mean and max) and how many requests were query-aware.
 Use: ``kvcompile lm-eval --model kvcompile --model_args pretrained=smollm2-135m,recipe=snapkv,budget=0.25
 --tasks kvc_niah_single_1`` (or ``python -m kvcompile.eval ...``; lm-eval has no plugin discovery for models, so
 these entry points register the model and add the kvcompile task folder to ``--include_path``), or in Python
-``simple_evaluate(model=KVCompileLM(cm, tokenizer=tok), tasks=[...], task_manager=task_manager())``.
+``simple_evaluate(model=KVCompileLM(cm, tokenizer=tok), tasks=[...], task_manager=lm_eval_cli.task_manager())``.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -37,9 +34,6 @@ import kvcompile
 from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
 from .synthetic import SEPARATOR
-
-TASKS_DIR = Path(__file__).parent / "tasks"
-
 
 @register_model("kvcompile")
 class KVCompileLM(TemplateLM):
@@ -295,23 +289,3 @@ class KVCompileLM(TemplateLM):
             target = torch.tensor(tokens[start + 1 : start + 1 + len(chunk)], device=logits.device)
             total += float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum())
         return total
-
-
-def task_manager(**metadata):
-    """An lm-eval ``TaskManager`` that knows the kvcompile tasks (``kvc_*``); ``metadata`` reaches their loaders
-    (``tokenizer``, ``length``, ``num_samples``, ``seed``)."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=str(TASKS_DIR), metadata=metadata)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run lm-eval's command line with the kvcompile model registered and the kvcompile tasks included."""
-    from lm_eval.__main__ import cli_evaluate
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and not {"-h", "--help", "--include_path"} & set(args):
-        args += ["--include_path", str(TASKS_DIR)]
-    sys.argv = ["lm-eval", *args]
-    cli_evaluate()
-    return 0
