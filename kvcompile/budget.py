@@ -51,8 +51,10 @@ class Budget:
             if not m:
                 raise ValueError(f"cannot read budget {budget!r}: expected a size such as '64MiB', '1.5GB' or '4096B'")
             size = float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]
-            if not 1 <= size <= MAX_BYTES:
-                raise ValueError(f"budget {budget!r} must be between one byte and {MAX_BYTES} bytes")
+            if size < 1:
+                raise ValueError(f"budget {budget!r} is smaller than one byte")
+            if size > MAX_BYTES:
+                raise ValueError(f"budget {budget!r} is larger than the {MAX_BYTES} bytes kvcompile can count")
             return cls("bytes", size)
         raise TypeError(f"budget must be a float, int or str, got {type(budget).__name__}")
 

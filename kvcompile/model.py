@@ -71,16 +71,14 @@ class CompressedModel(Steps, nn.Module):
         return self.prefill(input_ids, attention_mask)
 
     def _apply(self, fn, *args, **kwargs):
-        if self.source is None:
-            raise ValueError("this model has no source module to move (a loaded artifact runs compiled code for one "
-                             "device and dtype: kvcompile.load(folder, device=...) it again instead)")
+        if self.source is None:  # a loaded artifact runs compiled code for one device and dtype
+            raise ValueError("this model has no source module to move: kvcompile.load(folder, device=...) it again")
         super()._apply(fn, *args, **kwargs)
         self._follow_weights()
         return self
 
     def _follow_weights(self) -> None:
-        """Capture again when the weights moved to another dtype or device since the programs were captured
-        (by ``.to()`` here, or on the source model itself)."""
+        """Capture again if the weights moved to another dtype or device (by ``.to()`` here or on the source)."""
         weight = next(self.source.parameters()) if self.source is not None else None
         if weight is None or self.programs.captured_for() == (weight.dtype, weight.device):
             return
@@ -91,6 +89,10 @@ class CompressedModel(Steps, nn.Module):
     # ------------------------------------------------------------------ state
     def reset(self) -> None:
         """Forget every sequence; the next ``prefill`` starts fresh."""
+        self._forget()
+        self._torn = False  # a call stopped half way (an interrupt, an error mid-step): only reset() mends it
+
+    def _forget(self) -> None:
         self.cache.setup(0)
         self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
         self.decoder: DecodeCompressor | None = None  # the decode schedule's state, from the first decode step on
@@ -98,8 +100,18 @@ class CompressedModel(Steps, nn.Module):
         self._pending: list[tuple[Tensor, Tensor]] = []  # (ids, real) read since the last compression (KVzip)
         self._observing = False  # a prefill(compress=False) left a compression pending: keep observing queries
 
+    @contextlib.contextmanager
+    def _changing(self):
+        """Around every change of state: if the block does not finish, the state is torn until ``reset``."""
+        if self._torn:
+            raise RuntimeError("the last call stopped half way through a step (interrupted?): call reset(); "
+                               "generate() resets by itself")
+        self._torn = True
+        yield
+        self._torn = False
+
     def _start(self, batch_size: int) -> None:
-        self.reset()
+        self._forget()
         self._follow_weights()
         self.cache.setup(batch_size)
         self.context_tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -156,7 +168,9 @@ class CompressedModel(Steps, nn.Module):
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
-        return self._prefill(input_ids, self._check(input_ids, attention_mask), compress, logits)
+        real = self._check(input_ids, attention_mask)
+        with self._changing():
+            return self._prefill(input_ids, real, compress, logits)
 
     def _check(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The real-token mask of a batch that extends the cache, on the device, after ``checks.tokens``."""
@@ -190,10 +204,11 @@ class CompressedModel(Steps, nn.Module):
         call after a shared ``prefill(..., compress=False)``)."""
         if self.seen is None:
             raise RuntimeError("the cache is empty: call prefill first")
-        self.context_tokens = self.cache.seen.clone()
-        self._compress()
-        self._observing = False
-        self.cache.observe(self.decode_window)
+        with self._changing():
+            self.context_tokens = self.cache.seen.clone()
+            self._compress()
+            self._observing = False
+            self.cache.observe(self.decode_window)
 
     def _compress(self) -> None:
         """Compress to ``budget_bytes`` if over it, with the scorer's declared sources."""
@@ -240,31 +255,28 @@ class CompressedModel(Steps, nn.Module):
         if self.schedule is not None and max_new_tokens > 1:
             self._fit_schedule(int(real.sum(1).min()) + (0 if context_ids is None else int(context_real.sum(1).min())))
         self.reset()
-        if context_ids is not None:
-            self._prefill(context_ids, context_real.to(self.device), True, "last")
-        logits = self._prefill(input_ids, real.to(self.device), context_ids is None, "last", pending=False)
-        self.query_aware = context_ids is None or self.recipe.query_aware
-        if self.schedule is None:  # one reservation for the whole generation (a decode schedule reserves its own)
-            self.cache.reserve(max_new_tokens)
         sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator)
-        new = generate_tokens(self._decode, logits, max_new_tokens, torch.tensor(eos, device=self.device), pad, sampling)
+        with self._changing():
+            if context_ids is not None:
+                self._prefill(context_ids, context_real.to(self.device), True, "last")
+            logits = self._prefill(input_ids, real.to(self.device), context_ids is None, "last", pending=False)
+            self.query_aware = context_ids is None or self.recipe.query_aware
+            if self.schedule is None:  # one reservation for the whole generation (a schedule reserves its own)
+                self.cache.reserve(max_new_tokens)
+            new = generate_tokens(self._decode, logits, max_new_tokens, torch.tensor(eos, device=self.device), pad,
+                                  sampling)
         return torch.cat([input_ids.to(self.device), new], 1)
 
     def _fit_schedule(self, tokens: int) -> None:
         """Raise, before anything changes, when the decode cap for ``tokens`` read cannot hold the schedule."""
         self.schedule.fitted(int(self.cache.budget_tokens(self.budget, torch.tensor([tokens + 1]))))
 
-    # ------------------------------------------------------------------ forking
     def fork(self, recipe: str | Recipe | None = None, budget: float | int | str | None = None, *,
              compile=None) -> "CompressedModel":
-        """A copy of this model's cache and counters, retargeted to ``recipe`` / ``budget``, over the same programs.
-
-        Lets one prefill serve many (recipe, budget) cells: ``prefill(context, compress=False)`` once, then
-        ``fork(recipe, budget).compress()`` per cell. Nothing is captured or rewritten again; only the cache is
-        copied. ``compile``: run the copy compiled (``True`` or a backend, as in ``kvcompile.apply``) or eager
-        (``False``); None keeps this model's programs. When a compression is pending, the target recipe may read at most the queries this cache kept (its
-        scorer's and its decode schedule's windows); otherwise this raises, naming both.
-        """
+        """A copy of this model's cache and counters, retargeted to ``recipe`` / ``budget``, over the same programs:
+        one ``prefill(context, compress=False)``, then ``fork(recipe, budget).compress()`` per cell. Only the cache
+        is copied. ``compile``: the copy runs compiled (``True`` or a backend) or eager (``False``); None: as this
+        model does. With a compression pending, the target may read at most the queries this cache kept."""
         recipe = self.recipe if recipe is None else get_recipe(recipe)
         budget = self.budget if budget is None else Budget.parse(budget)
         programs = self.programs if compile is None else self.programs.compile(compile)

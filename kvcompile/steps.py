@@ -24,7 +24,9 @@ class Steps:
             raise RuntimeError("decode needs a prefilled cache: call prefill first")
         if isinstance(input_ids, Tensor) and input_ids.dim() == 2 and input_ids.shape[1] != 1:
             raise ValueError(f"decode takes one token per sequence, got input_ids of shape {tuple(input_ids.shape)}")
-        return self._decode(input_ids, self._check(input_ids))
+        real = self._check(input_ids)
+        with self._changing():
+            return self._decode(input_ids, real)
 
     def _decode(self, input_ids: Tensor, real: Tensor | None = None) -> Tensor:
         self._begin_decoding()
@@ -39,13 +41,13 @@ class Steps:
         """
         if self.seen is None:
             raise RuntimeError("decode_many needs a prefilled cache: call prefill first")
-        real = self._check(input_ids)
-        self._begin_decoding()
-        outs, start, T = [], 0, input_ids.shape[1]
-        while start < T:
-            n = T - start if self.decoder is None else min(T - start, self.decoder.until_run())
-            outs.append(self._advance("prefill", input_ids[:, start : start + n], real[:, start : start + n]))
-            start += n
+        real, outs, start, T = self._check(input_ids), [], 0, input_ids.shape[1]
+        with self._changing():
+            self._begin_decoding()
+            while start < T:
+                n = T - start if self.decoder is None else min(T - start, self.decoder.until_run())
+                outs.append(self._advance("prefill", input_ids[:, start : start + n], real[:, start : start + n]))
+                start += n
         return torch.cat(outs, 1)
 
     def _begin_decoding(self) -> None:
