@@ -66,6 +66,8 @@ def prompt(input_ids, attention_mask, context_ids, context_mask, max_new_tokens:
     context = tokens(context_ids, context_mask, rows=None, seen=None, name="context_ids", **limits)
     question = tokens(input_ids, attention_mask, rows=input_ids.shape[0], seen=context.sum(1), extra=max_new_tokens,
                       **limits)
+    if not question.any(1).all():
+        raise ValueError("a row of input_ids (the question) has no tokens: generation starts from its last token")
     return context, question
 
 
