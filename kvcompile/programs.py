@@ -3,9 +3,9 @@
 
 One ``Programs`` serves every recipe and budget of a captured model: re-targeting (``kvcompile.apply`` on a
 ``CompressedModel``) and ``fork`` share it, so nothing is rewritten twice, and each compiled variant is made once
-per backend. A compiled decode program compiles once per batch size: the pool size, the page-table width and the
-ring length are marked dynamic at every call, so no prompt length, generated token or decode-time eviction
-recompiles it.
+per backend. Compiled programs mark their varying sizes dynamic at every call (``_mark_dynamic``): a decode
+program compiles once for one row and once for more, a prefill program about once, whatever the prompt lengths,
+the generated tokens and the decode-time evictions.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch import nn
 from . import passes
 from .cache import PagedKVCache, Step
 from .capture import capture
-from .signature import DECODE_DYNAMIC, INPUTS
+from .signature import INPUTS
 from .spec import LayerSpec, ModelSpec
 
 NAMES = ("prefill", "prefill_last", "decode", "decode_packed")
@@ -78,8 +78,8 @@ class Programs:
     def compile(self, backend) -> "Programs":
         """These programs through ``torch.compile`` with ``backend`` (``True``: Inductor), made once per backend.
 
-        Prefill: dynamic shapes. Decode: static shapes except ``signature.DECODE_DYNAMIC``, marked at each call,
-        so it compiles once per batch size; in a CUDA graph on CUDA (mode="reduce-overhead", not yet run on a GPU)."""
+        Prefill: dynamic shapes. Decode: static shapes except what ``_mark_dynamic`` marks at each call; in a CUDA
+        graph on CUDA (mode="reduce-overhead", not yet run on a GPU)."""
         if not backend:
             return self._variants.get(None, self)
         if self.captured is None:
@@ -103,21 +103,30 @@ class Programs:
         cache's layout allows it."""
         if name == "decode" and self.decode_packed is not None and cache.packed():
             name = "decode_packed"
-        args = (input_ids.contiguous(), step.position_ids, step.q_pos, step.slots, step.ring_slots,
-                *cache.program_tensors())
-        if self.compiled is not None and name.startswith("decode"):
-            _mark_dynamic(args)
-        with torch.no_grad():
+        ids = input_ids.clone(memory_format=torch.contiguous_format)  # a fresh tensor: marks never stick to the caller's
+        args = (ids, step.position_ids, step.q_pos, step.slots, step.ring_slots, *cache.program_tensors())
+        if self.compiled is None:
+            with torch.no_grad():
+                return getattr(self, name)(*args)
+        _mark_dynamic(args, decode=name.startswith("decode"))
+        with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):
             return getattr(self, name)(*args)
 
 
-def _mark_dynamic(args) -> None:
-    """Mark the sizes a compiled decode must not specialise on (sizes of 0 or 1 stay static: dynamo would
-    specialise on them anyway, and the cache keeps the page table at least ``cache.MIN_WIDTH`` wide)."""
+def _mark_dynamic(args, decode: bool) -> None:
+    """Mark the sizes a compiled program must not specialise on. A prefill's step inputs (fresh tensors at every
+    call, ``input_ids`` cloned) get unbacked batch and token sizes, so no length or batch size, 1 included,
+    recompiles it. Every other varying size is marked dynamic where it is 2 or more (dynamo specialises 0 and 1;
+    the cache keeps the page table at least ``cache.MIN_WIDTH`` wide): a decode program then compiles once for one
+    row and once for more. Duck sizing is off around the call, so sizes that happen to be equal stay separate."""
     for tensor, spec in zip(args, INPUTS):
-        dims = [d for d, name in spec.dims if name in DECODE_DYNAMIC and tensor.shape[d] > 1]
-        if dims:
-            torch._dynamo.mark_dynamic(tensor, dims)
+        for dim, name in spec.dims:
+            if decode and name == "tokens":
+                continue
+            if not decode and spec.source != "cache" and name in ("batch", "tokens"):
+                torch._dynamo.decorators.mark_unbacked(tensor, dim)
+            elif tensor.shape[dim] > 1:
+                torch._dynamo.mark_dynamic(tensor, dim)
 
 
 def _vocab_size(captured: fx.GraphModule) -> int | None:

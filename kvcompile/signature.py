@@ -34,5 +34,3 @@ INPUTS = (
 )
 ADDED = tuple(i.name for i in INPUTS[2:])  # what the passes add after (input_ids, position_ids)
 CACHE = tuple(i.name for i in INPUTS if i.source == "cache")
-# what a compiled decode program keeps dynamic: the cache's sizes change, its batch and one token do not
-DECODE_DYNAMIC = ("pages", "width", "ring")

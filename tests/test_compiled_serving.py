@@ -4,6 +4,7 @@ generated tokens and a decode-time schedule, without touching private state; tok
 from __future__ import annotations
 
 import collections
+import os
 import random
 
 import pytest
@@ -41,25 +42,26 @@ def long_model():
     return kvcompile.apply(model, budget=1.0, recipe="full")
 
 
-def prompts(seed: int, n: int):
+def prompts(seed: int, n: int, vocab: int = VOCAB):
     """(input_ids, attention_mask) of ``n`` requests: random lengths 1..2000, batches of 1 and 2 (left-padded)."""
     rng = random.Random(seed)
     for i in range(n):
         rows = [rng.randint(1, 2000) for _ in range(1 + i % 2)]
         T = max(rows)
-        ids = torch.randint(2, VOCAB - 1, (len(rows), T), generator=torch.Generator().manual_seed(seed + i))
+        ids = torch.randint(2, vocab - 1, (len(rows), T), generator=torch.Generator().manual_seed(seed + i))
         mask = torch.stack([torch.arange(T) >= T - r for r in rows]).long()
         yield ids, mask
 
 
-@pytest.mark.parametrize("recipe, budget", [("adakv-snapkv", 0.5), ("inertiakv", 96)], ids=["ragged", "decode-cap"])
-def test_thirty_prompt_lengths_and_500_decode_steps_compile_decode_once_per_batch_size(long_model, recipe, budget):
+def serve(base, recipe, budget, vocab: int):
+    """30 generate calls of random lengths and batch sizes and a 500-step decode loop, compiled against eager;
+    returns the compilations, by (program, batch size)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     recorder = Recorder()
-    compiled = kvcompile.apply(long_model, budget=budget, recipe=recipe, compile=recorder)
-    eager = kvcompile.apply(long_model, budget=budget, recipe=recipe)
-    for i, (ids, mask) in enumerate(prompts(seed=17, n=30)):
+    compiled = kvcompile.apply(base, budget=budget, recipe=recipe, compile=recorder)
+    eager = kvcompile.apply(base, budget=budget, recipe=recipe)
+    for i, (ids, mask) in enumerate(prompts(seed=17, n=30, vocab=vocab)):
         kwargs = dict(max_new_tokens=3 + i % 5, eos_token_id=[])
         got, want = compiled.generate(ids, mask, **kwargs), eager.generate(ids, mask, **kwargs)
         assert torch.equal(got, want), f"request {i} (lengths {mask.sum(1).tolist()}): compiled tokens differ"
@@ -75,4 +77,17 @@ def test_thirty_prompt_lengths_and_500_decode_steps_compile_decode_once_per_batc
     assert decode and all(n == 1 for n in decode.values()), f"decode programs recompiled: {dict(recorder.compiles)}"
     unique = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert unique == sum(recorder.compiles.values()), (unique, dict(recorder.compiles))
-    print(f"compiles ({recipe}): {dict(recorder.compiles)}")
+    print(f"compiles ({recipe}): {dict(recorder.compiles)}; dynamo unique_graphs {unique}")
+
+
+@pytest.mark.parametrize("recipe, budget", [("adakv-snapkv", 0.5), ("inertiakv", 96)], ids=["ragged", "decode-cap"])
+def test_thirty_prompt_lengths_and_500_decode_steps_compile_decode_once_per_batch_size(long_model, recipe, budget):
+    serve(long_model, recipe, budget, VOCAB)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("KVCOMPILE_LONG" not in os.environ, reason="about 20 minutes on 2 cores: KVCOMPILE_LONG=1")
+@pytest.mark.parametrize("recipe, budget", [("adakv-snapkv", 0.25), ("inertiakv", 256)])
+def test_smollm2_compiles_decode_once_per_batch_size(recipe, budget):
+    model, _ = kvcompile.load_model("smollm2-135m")
+    serve(kvcompile.apply(model, budget=1.0, recipe="full"), recipe, budget, model.config.vocab_size)
