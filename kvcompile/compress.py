@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .cache import PagedKVCache
 from .methods import Allocator, Scorer
-from .methods.base import _PINNED
+from .methods.base import is_pinned
 from .observation import observe
 from .plan import NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
@@ -65,7 +65,7 @@ def token_counts(cache: PagedKVCache, allocator: Allocator, scores: Tensor, stat
 def plan_tokens(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
     """Each head keeps its ``token_counts`` best tokens, pinned ones first."""
     counts = token_counts(cache, allocator, scores, stats, budget_bytes)
-    return select(scores, counts, pinned_levels(scores, _PINNED))
+    return select(scores, counts, pinned_levels(scores, is_pinned(scores)))
 
 
 def plan_pages(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
@@ -85,7 +85,7 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> 
     (``Allocator.summarize``, from the dense cache before compaction), written after the kept tokens."""
     counts = token_counts(cache, allocator, scores, stats, budget_bytes)
     summary = ((counts < cache.lengths) & (counts > 0)).long()
-    kept = rank(scores, pinned_levels(scores, _PINNED)) < (counts - summary)[..., None]
+    kept = rank(scores, pinned_levels(scores, is_pinned(scores))) < (counts - summary)[..., None]
     rows = []
     for layer in layers:
         obs = observe(cache, layer)

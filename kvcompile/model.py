@@ -80,7 +80,7 @@ class CompressedModel(Steps, nn.Module):
     def _follow_weights(self) -> None:
         """Capture again if the weights moved to another dtype or device (by ``.to()`` here or on the source)."""
         weight = next(self.source.parameters()) if self.source is not None else None
-        if weight is None or self.programs.captured_for() == (weight.dtype, weight.device):
+        if weight is None or self.programs.weights == (weight.dtype, weight.device):
             return
         self.spec = ModelSpec.from_model(self.source)
         self.programs = Programs.of(self.source, self.spec).compile(self.programs.compiled)

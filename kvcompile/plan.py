@@ -85,8 +85,8 @@ def select(scores: Tensor, counts: Tensor, levels: Tensor | None = None, **field
     return Plan.of_mask(rank(scores, levels) < counts[..., None], **fields)
 
 
-def pinned_levels(scores: Tensor, pinned_at: float) -> Tensor:
-    """Levels of prefill scores: PINNED where a scorer pinned a token (a score >= ``pinned_at``, see
-    ``methods.base.protect``), SCORED for the rest, EMPTY where nothing is held (-inf)."""
-    level = torch.where(scores >= pinned_at, PINNED, SCORED)
+def pinned_levels(scores: Tensor, pinned: Tensor) -> Tensor:
+    """Levels of prefill scores [..., S]: PINNED where a scorer pinned a token (``pinned``, what
+    ``methods.base.protect`` marked), SCORED for the rest, EMPTY where nothing is held (-inf)."""
+    level = torch.where(pinned, PINNED, SCORED)
     return level.masked_fill(scores == float("-inf"), EMPTY)

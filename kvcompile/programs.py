@@ -34,7 +34,8 @@ class Programs:
     last position's logits (what generation needs); ``decode_packed`` reads a packed cache (``PagedKVCache.packed``)
     in place instead of gathering it (None: ``decode`` serves every layout, as in an exported artifact).
     ``layers``: one ``LayerSpec`` per layer; ``vocab_size``: rows of the token embedding (None: unknown);
-    ``captured``: the captured model graph (None for a loaded artifact); ``compiled``: the backend, if any."""
+    ``captured``: the captured model graph (None for a loaded artifact); ``compiled``: the backend, if any;
+    ``weights``: (dtype, device) of the weights when they were captured (the graph bakes them in)."""
 
     prefill: Callable
     prefill_last: Callable
@@ -44,20 +45,14 @@ class Programs:
     vocab_size: int | None = None
     captured: fx.GraphModule | None = None
     compiled: object = None
+    weights: tuple | None = None
     _variants: dict = field(default_factory=dict, repr=False)
-    _weights: tuple = field(default=None, repr=False)
 
     @classmethod
     def of(cls, model: nn.Module, spec: ModelSpec) -> "Programs":
         """Capture ``model`` (``capture.capture``) and rewrite it. The graph bakes in the weights' dtype and device
         (the model's own casts), so a model moved to another one must be captured again."""
         return cls.rewrite(capture(model, spec), spec)
-
-    def captured_for(self) -> tuple[torch.dtype, torch.device] | None:
-        """(dtype, device) of the weights when they were captured (None for a loaded artifact)."""
-        if self.captured is None:
-            return None
-        return self._variants[None]._weights
 
     @classmethod
     def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, stream_weights: bool | None = None) -> "Programs":
@@ -69,10 +64,10 @@ class Programs:
         prefill_last, _ = passes.rewrite(captured, spec, decode=False, last_logits=True)
         decode, _ = passes.rewrite(captured, spec, decode=True, stream_weights=stream)
         decode_packed, _ = passes.rewrite(captured, spec, decode=True, packed=True, stream_weights=stream)
-        programs = cls(prefill, prefill_last, decode, decode_packed, spec.layers(scales), _vocab_size(captured), captured)
-        programs._variants[None] = programs  # every variant shares this table: compile(False) gives the eager ones
         weight = next(captured.parameters())
-        programs._weights = (weight.dtype, weight.device)
+        programs = cls(prefill, prefill_last, decode, decode_packed, spec.layers(scales), _vocab_size(captured), captured,
+                       weights=(weight.dtype, weight.device))
+        programs._variants[None] = programs  # every variant shares this table: compile(False) gives the eager ones
         return programs
 
     def compile(self, backend) -> "Programs":
@@ -95,7 +90,7 @@ class Programs:
             decode, decode_packed = (torch.compile(p, backend=backend, fullgraph=True, dynamic=False, mode=mode)
                                      for p in (eager.decode, eager.decode_packed))
             self._variants[key] = Programs(prefill, prefill_last, decode, decode_packed, self.layers, self.vocab_size,
-                                           self.captured, backend, self._variants)
+                                           self.captured, backend, self.weights, self._variants)
         return self._variants[key]
 
     def run(self, name: str, input_ids: Tensor, step: Step, cache: PagedKVCache) -> Tensor:
@@ -133,7 +128,6 @@ def _vocab_size(captured: fx.GraphModule) -> int | None:
     """Rows of the embedding table that ``input_ids`` indexes, read from the graph (None: not found)."""
     ids = next(n for n in captured.graph.nodes if n.op == "placeholder")
     for node in ids.users:
-        if node.target == torch.ops.aten.embedding.default and node.args[1] is ids:
-            weight = node.args[0]
-            return int(weight.meta["val"].shape[0]) if "val" in weight.meta else int(captured.get_parameter(weight.target).shape[0])
+        if node.target == torch.ops.aten.embedding.default and node.args[1] is ids and "val" in node.args[0].meta:
+            return int(node.args[0].meta["val"].shape[0])
     return None

@@ -255,6 +255,11 @@ def protect(scores: Tensor, mask: Tensor) -> Tensor:
 _PINNED = torch.finfo(torch.bfloat16).max  # what ``protect`` writes, in float32 or bfloat16 scores
 
 
+def is_pinned(scores: Tensor) -> Tensor:
+    """[..., S] True at the tokens ``protect`` pinned (the compression engine keeps them first)."""
+    return scores >= _PINNED
+
+
 def attention_mass(scores: Tensor) -> tuple[Tensor, Tensor]:
     """Scores read as attention masses, for allocators that reason about the mass they drop.
 
