@@ -58,7 +58,8 @@ def _example(cm: CompressedModel, tokens: int, ring: int):
     return (ids, step.position_ids, step.q_pos, step.slots, step.ring_slots, *cache.program_tensors())
 
 
-_RANGES = {"batch": (1, 4096), "tokens": (1, 1 << 20), "pages": (2, 1 << 24), "width": (2, 1 << 20), "ring": (0, 1 << 20)}
+_RANGES = {"batch": (1, 4096), "tokens": (1, 1 << 20), "pages": (2, 1 << 24), "width": (2, 1 << 20),
+           "ring": (0, 1 << 20)}
 
 
 def _dynamic_shapes(decode: bool):
@@ -152,7 +153,8 @@ def _manifest(folder: Path) -> dict:
     if not isinstance(meta, dict):
         raise ValueError(f"{file} must hold a JSON object")
     if meta.get("format") != _FORMAT:
-        raise ValueError(f"{file}: export format {meta.get('format')!r}, this kvcompile reads format {_FORMAT}; export again")
+        raise ValueError(f"{file}: export format {meta.get('format')!r}, this kvcompile reads format {_FORMAT}; "
+                         "export it again")
     for key, (kind, what) in _MANIFEST.items():
         if key not in meta:
             raise ValueError(f"{file} has no {key!r} ({what}); the artifact is incomplete")

@@ -50,8 +50,11 @@ class CompressedModel(Steps, nn.Module):
         self.scorer, self.allocator = recipe.build()
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config
+        sources = self.scorer.sources() if self.scorer else ()
+        observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
-                                  dtype=spec.dtype, page_size=page_size, device=device)
+                                  dtype=spec.dtype, page_size=page_size, device=device,
+                                  keep_ids=observation.keeps_ids(sources))
         if self.schedule is not None and budget.kind != "fraction":  # the cap is known now: check it fits
             self._fit_schedule(0)
         self.reset()
@@ -99,16 +102,6 @@ class CompressedModel(Steps, nn.Module):
         self.query_aware: bool | None = None  # how the last compression was made (see cache_stats)
         self._pending: list[tuple[Tensor, Tensor]] = []  # (ids, real) read since the last compression (KVzip)
         self._observing = False  # a prefill(compress=False) left a compression pending: keep observing queries
-
-    @contextlib.contextmanager
-    def _changing(self):
-        """Around every change of state: if the block does not finish, the state is torn until ``reset``."""
-        if self._torn:
-            raise RuntimeError("the last call stopped half way through a step (interrupted?): call reset(); "
-                               "generate() resets by itself")
-        self._torn = True
-        yield
-        self._torn = False
 
     def _start(self, batch_size: int) -> None:
         self._forget()
@@ -267,8 +260,7 @@ class CompressedModel(Steps, nn.Module):
                                   sampling)
         return torch.cat([input_ids.to(self.device), new], 1)
 
-    def _fit_schedule(self, tokens: int) -> None:
-        """Raise, before anything changes, when the decode cap for ``tokens`` read cannot hold the schedule."""
+    def _fit_schedule(self, tokens: int) -> None:  # raises, before anything changes, when the cap cannot hold it
         self.schedule.fitted(int(self.cache.budget_tokens(self.budget, torch.tensor([tokens + 1]))))
 
     def fork(self, recipe: str | Recipe | None = None, budget: float | int | str | None = None, *,
@@ -287,10 +279,11 @@ class CompressedModel(Steps, nn.Module):
             return child
         window, kept = child.observation_window, self.cache.ring.capacity
         if self._observing and window > kept and kept < int(self.seen.max()):
-            raise ValueError(
-                f"recipe {recipe.name!r} reads the last {window} queries of each layer but this cache kept {kept}; "
-                "prefill the shared context with compress=False under the widest-window recipe"
-            )
+            raise ValueError(f"recipe {recipe.name!r} reads the last {window} queries of each layer but this cache "
+                             f"kept {kept}; prefill the shared context with compress=False under the widest-window "
+                             "recipe")
+        if child.cache.keep_ids > self.cache.keep_ids:
+            raise ValueError(f"recipe {recipe.name!r} reads the token ids of the context, which this cache did not log")
         child.cache = copy.deepcopy(self.cache)
         child.context_tokens, child._pending = self.context_tokens.clone(), list(self._pending)
         child.query_aware, child._observing = self.query_aware, self._observing

@@ -1,8 +1,9 @@
 """What a method may read at compression time, supplied through one mechanism.
 
 A method declares its sources (``methods.base.Source``: ``Scorer.sources``); ``check`` refuses, at ``apply``, any
-source the runtime cannot supply yet; ``observe`` builds a layer's ``Observation`` from the cache (held keys,
-values and positions; the observation ring's queries) and the supplied extras; ``reconstructing`` runs a
+source the runtime cannot supply yet (hidden states, an extra pass, gradients); ``observe`` builds a layer's
+``Observation`` from the cache (held keys, values and positions; the ring's queries; the token ids it logs for
+``ContextTokens``) and the layer's weights (``LayerWeights``: W_O, found in the graph); ``reconstructing`` runs a
 ``Reconstruction`` source's prompt around one compression (KVzip).
 """
 
@@ -14,20 +15,31 @@ from torch import Tensor
 
 from .cache import PagedKVCache
 from .methods import Observation
-from .methods.base import QueryWindow, Reconstruction, Source
+from .methods.base import ContextTokens, LayerWeights, QueryWindow, Reconstruction, Source
 from .spec import LayerSpec
 
-SUPPLIED = (QueryWindow, Reconstruction)
+SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights)
 
 
-def check(sources: tuple[Source, ...], who: str) -> None:
-    """Raise, naming the source, when ``who`` declares one the runtime does not supply."""
+def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] = ()) -> None:
+    """Raise, naming the source, when ``who`` declares one the runtime does not supply, or (given the ``layers``)
+    a layer weight the captured graph did not yield for every layer."""
     for source in sources:
         if not isinstance(source, SUPPLIED):
             raise NotImplementedError(
                 f"{who} reads {type(source).__name__}, which kvcompile does not supply yet "
                 f"(supplied: {', '.join(s.__name__ for s in SUPPLIED)})"
             )
+        missing = [layer.index for layer in layers if isinstance(source, LayerWeights)
+                   and source.name not in layer.weights]
+        if missing:
+            raise NotImplementedError(f"{who} reads the layer weight {source.name!r}, which the graph does not yield "
+                                      f"for layers {missing} (found: {sorted(layers[0].weights)})")
+
+
+def keeps_ids(sources: tuple[Source, ...]) -> bool:
+    """Whether the cache must log the token id of every position (``ContextTokens``)."""
+    return any(isinstance(s, ContextTokens) for s in sources)
 
 
 def window(sources: tuple[Source, ...]) -> int:
@@ -39,9 +51,10 @@ def observe(cache: PagedKVCache, layer: LayerSpec) -> Observation:
     """Layer ``layer`` of the cache as a method sees it (dense per-head views plus the ring's queries)."""
     keys, values, positions, valid = cache.dense(layer.index)
     ring = cache.ring
+    ids = cache.token_ids.gather(1, positions.flatten(1).clamp_min(0)).view_as(positions) if cache.keep_ids else None
     return Observation(
         keys, values, positions, valid, ring.queries[layer.index], ring.positions, layer.scale, layer.window,
-        layer.index, cache.num_layers,
+        layer.index, cache.num_layers, ids, layer.weights,
     )
 
 

@@ -2,18 +2,19 @@
 
 Each attention op replaces one scaled-dot-product-attention node and does, for its layer: write the new K/V
 into the pages the cache reserved for them (padding writes zeros to the scratch page), write the new queries into
-the observation ring at the slots the cache chose (``cache.QueryRing``), and attend from the new queries over every token the
-layer's KV heads hold (causal by original position, optionally sliding-window).
+the observation ring at the slots the cache chose (``cache.QueryRing``), and attend from the new queries over
+every token the layer's KV heads hold (causal by original position, optionally sliding-window).
 ``prefill_attention`` and ``decode_attention`` share that contract; they differ in the kernel a backend picks
 (decode is one query per row, the case the paged decode kernel is built for). ``decode_attention_packed`` may
 assume a packed cache (``PagedKVCache.packed``; the runtime checks before it runs a program that calls it), so
-the reference reads each layer's pages as one slice of the pool instead of gathering them. ``compact`` moves the kept tokens
-of every head to the front of its own pages.
+the reference reads each layer's pages as one slice of the pool instead of gathering them. ``compact`` moves the
+kept tokens of every head to the front of its own pages.
 
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
 slots [L, B, Hkv, T] pool rows for the new tokens and ring_slots [B, T] ring slots (``PagedKVCache.append``);
-obs_q the ring's queries [L, B, Hq, C, D]. Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch implementation (CPU, and the oracle in tests); on CUDA the
-decode attention and the compaction run the Triton kernels of ``kvcompile.kernels``.
+obs_q the ring's queries [L, B, Hq, C, D]. Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
+implementation (CPU, and the oracle in tests); on CUDA the decode attention and the compaction run the Triton
+kernels of ``kvcompile.kernels``.
 """
 
 from __future__ import annotations

@@ -60,13 +60,14 @@ class Programs:
         (default: on CPU, where it is measured to be faster)."""
         cuda = next(captured.parameters()).device.type == "cuda"
         stream = not cuda if stream_weights is None else stream_weights
-        prefill, scales = passes.rewrite(captured, spec, decode=False)
+        prefill, found = passes.rewrite(captured, spec, decode=False)
         prefill_last, _ = passes.rewrite(captured, spec, decode=False, last_logits=True)
         decode, _ = passes.rewrite(captured, spec, decode=True, stream_weights=stream)
         decode_packed, _ = passes.rewrite(captured, spec, decode=True, packed=True, stream_weights=stream)
         weight = next(captured.parameters())
-        programs = cls(prefill, prefill_last, decode, decode_packed, spec.layers(scales), _vocab_size(captured), captured,
-                       weights=(weight.dtype, weight.device))
+        w_o = [{} if t is None else {"o_proj": captured.get_parameter(t)} for t in found.output_weights]
+        programs = cls(prefill, prefill_last, decode, decode_packed, spec.layers(found.scales, w_o),
+                       _vocab_size(captured), captured, weights=(weight.dtype, weight.device))
         programs._variants[None] = programs  # every variant shares this table: compile(False) gives the eager ones
         return programs
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -10,7 +10,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One attention layer as the cache and the methods see it: softmax ``scale``, sliding ``window`` (0 = full)."""
+    """One attention layer as the cache and the methods see it: softmax ``scale``, sliding ``window`` (0 = full),
+    ``weights``: the layer's weights a method may read by name (``"o_proj"``: W_O [hidden, Hq * D], when found)."""
 
     index: int
     scale: float
@@ -18,6 +19,7 @@ class LayerSpec:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    weights: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,13 @@ class ModelSpec:
     max_positions: int | None
     hf_causal_lm: bool
 
-    def layers(self, scales) -> tuple[LayerSpec, ...]:
-        """One ``LayerSpec`` per layer, with the softmax scales the graph uses (``passes.InsertPagedAttention``)."""
+    def layers(self, scales, weights=None) -> tuple[LayerSpec, ...]:
+        """One ``LayerSpec`` per layer, with the softmax scales the graph uses and the weights it found
+        (``passes.InsertPagedAttention``)."""
+        weights = weights or [{}] * self.num_layers
         return tuple(
-            LayerSpec(i, float(s), w, self.num_q_heads, self.num_kv_heads, self.head_dim)
-            for i, (s, w) in enumerate(zip(scales, self.windows))
+            LayerSpec(i, float(s), w, self.num_q_heads, self.num_kv_heads, self.head_dim, found)
+            for i, (s, w, found) in enumerate(zip(scales, self.windows, weights))
         )
 
     @classmethod

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -14,8 +16,18 @@ RESERVE_AHEAD = 64  # tokens of room a plain decode reserves at a time (allocati
 class Steps:
     """Prefill and decode steps; the state they read and write is ``CompressedModel``'s."""
 
+    @contextlib.contextmanager
+    def _changing(self):
+        """Around every change of state: if the block does not finish, the state is torn until ``reset``."""
+        if self._torn:
+            raise RuntimeError("the last call stopped half way through a step (interrupted?): call reset(); "
+                               "generate() resets by itself")
+        self._torn = True
+        yield
+        self._torn = False
+
     def _prefill_step(self, ids: Tensor, real: Tensor, name: str, compressing: bool) -> Tensor:
-        step = self.cache.append(real, observe=self.observation_window if compressing else self.decode_window)
+        step = self.cache.append(real, observe=self.observation_window if compressing else self.decode_window, ids=ids)
         return self.programs.run(name, ids.to(self.device), step, self.cache)
 
     def decode(self, input_ids: Tensor) -> Tensor:
@@ -62,7 +74,7 @@ class Steps:
             real = torch.ones(input_ids.shape, dtype=torch.bool, device=self.device)
         ahead = 1 if self.decoder is not None else RESERVE_AHEAD  # a schedule reserves its own room
         observe = self.observation_window if self._observing else self.decode_window
-        step = self.cache.append(real, observe=observe, reserve_ahead=ahead)
+        step = self.cache.append(real, observe=observe, reserve_ahead=ahead, ids=input_ids)
         logits = self.programs.run(name, input_ids.to(self.device), step, self.cache)
         if self.decoder is not None:
             self.decoder.step(self.cache, input_ids.shape[1])

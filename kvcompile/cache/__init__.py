@@ -1,4 +1,5 @@
-"""The cache: ragged per-head pages (``paged``) and the observation ring (``ring``)."""
+"""The cache: ragged per-head pages (``paged``), their pool (``pages``), byte accounting (``accounting``) and the
+observation ring (``ring``)."""
 
 from .paged import MIN_WIDTH, PagedKVCache, Step
 from .ring import QueryRing

@@ -47,9 +47,11 @@ class ByteAccounting:
         """Every tensor the cache owns, by name, with its kind: "pages" (K/V payload and free pages), "positions",
         "tables" (page tables, lengths, counters) or "ring" (the observation ring)."""
         return {
-            "k_pages": (self.k_pages, "pages"), "v_pages": (self.v_pages, "pages"), "page_pos": (self.page_pos, "positions"),
+            "k_pages": (self.k_pages, "pages"), "v_pages": (self.v_pages, "pages"),
+            "page_pos": (self.page_pos, "positions"),
             "page_table": (self.page_table, "tables"), "lengths": (self.lengths, "tables"),
             "n_pages": (self.n_pages, "tables"), "seen": (self.seen, "tables"),
+            "token_ids": (self.token_ids, "tables"),
             "ring.queries": (self.ring.queries, "ring"), "ring.positions": (self.ring.positions, "ring"),
         }
 

@@ -8,6 +8,7 @@ Layout (shape letters: L layers, B batch rows, Hkv KV heads, P page size, D head
     lengths          : [L, B, Hkv] int32     tokens head (l, b, h) holds
     n_pages          : [L, B, Hkv] int64     pages head (l, b, h) owns (its length's pages plus reserved room)
     seen             : [B] int64             tokens row b has read: the position of its next token
+    token_ids        : [B, C] int64          the token read at each position (``keep_ids`` only; C >= seen)
     ring             : ``QueryRing``         the last queries of each layer (``cache.ring``)
 
 Token j of head (l, b, h) sits at row j % P of page ``page_table[l, b, h, j // P]``; ``kernels.reference`` has
@@ -26,7 +27,6 @@ tensor and what it is).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,10 +36,8 @@ from .. import ops
 from ..kernels import reference
 from ..plan import DTYPE_FORMAT, Plan
 from .accounting import ByteAccounting
+from .pages import MIN_WIDTH, PagePool
 from .ring import QueryRing
-
-MIN_WIDTH = 2  # page-table width floor: a dimension of size 1 would make a compiled program specialise on it
-
 
 @dataclass
 class Step:
@@ -52,10 +50,11 @@ class Step:
     ring_slots: Tensor
 
 
-class PagedKVCache(ByteAccounting, nn.Module):
+class PagedKVCache(PagePool, ByteAccounting, nn.Module):
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, *,
         dtype: torch.dtype = torch.float32, page_size: int = 16, device: torch.device | str = "cpu",
+        keep_ids: bool = False,
     ):
         super().__init__()
         if page_size < 1:
@@ -71,6 +70,8 @@ class PagedKVCache(ByteAccounting, nn.Module):
         self.register_buffer("lengths", torch.zeros(L, 0, Hkv, dtype=torch.int32, device=dev))
         self.register_buffer("n_pages", torch.zeros(L, 0, Hkv, dtype=torch.int64, device=dev))
         self.register_buffer("seen", torch.zeros(0, dtype=torch.int64, device=dev))
+        self.register_buffer("token_ids", torch.zeros(0, 0, dtype=torch.int64, device=dev))
+        self.keep_ids = keep_ids  # a method reads the token id of each held entry (``ContextTokens``)
         self.ring = QueryRing(num_layers, num_q_heads, head_dim, dtype, dev)
         self.room = 0  # tokens every head can still take without reserving pages (a host count)
         self.peaks: dict[str, int] = {}
@@ -98,11 +99,12 @@ class PagedKVCache(ByteAccounting, nn.Module):
         self.lengths = self.lengths.new_zeros(L, batch_size, Hkv)
         self.n_pages = self.n_pages.new_zeros(L, batch_size, Hkv)
         self.seen = self.seen.new_zeros(batch_size)
+        self.token_ids, self.logged = self.token_ids.new_zeros(batch_size, 0), 0
         self.ring.setup(batch_size)
         self.room, self.peaks = 0, {}
 
     # ------------------------------------------------------------------ steps
-    def append(self, real: Tensor, observe: int = 0, reserve_ahead: int = 0) -> Step:
+    def append(self, real: Tensor, observe: int = 0, reserve_ahead: int = 0, ids: Tensor | None = None) -> Step:
         """Take a step of T tokens per row (``real`` [B, T] marks the non-pad ones): reserve pages when the room is
         short (a decode step: at least ``reserve_ahead`` tokens at a time), size the ring for ``observe`` queries
         (at most the queries it has been given), bump lengths and ``seen``, and return where the program writes the
@@ -114,6 +116,8 @@ class PagedKVCache(ByteAccounting, nn.Module):
             self.reserve(max(1, reserve_ahead))
         pos = self.seen[:, None] + real.long().cumsum(1) - 1
         q_pos = pos.masked_fill(~real, -1)
+        if self.keep_ids:
+            self._log_ids(ids, q_pos)
         self.seen = self.seen + n_new
         C = self.ring.capacity
         if observe != C:  # the ring grows by the queries it is given, up to the window
@@ -122,10 +126,26 @@ class PagedKVCache(ByteAccounting, nn.Module):
         self.ring.record(q_pos, ring_slots)
         rank = real.long().cumsum(-1) - 1  # [B, T]: real token t is token lengths + rank of each of its row's heads
         j = self.lengths.long()[..., None] + rank[None, :, None, :]
-        slots = torch.where(real[None, :, None, :], reference.rows_of(self.page_table, j.clamp_min(0), self.page_size), 0)
+        rows = reference.rows_of(self.page_table, j.clamp_min(0), self.page_size)
+        slots = torch.where(real[None, :, None, :], rows, 0)
         self.lengths += n_new.to(torch.int32)[None, :, None]
         self.room = max(self.room - T, 0)
         return Step(pos.clamp_min(0), q_pos, slots, ring_slots)
+
+    def _log_ids(self, ids: Tensor, q_pos: Tensor) -> None:
+        """Write the step's token ids at their positions; the log grows by doubling, sized by an upper bound of
+        the positions (``logged``: every row advances at most T per step)."""
+        self.logged += q_pos.shape[1]
+        width = self.token_ids.shape[1]
+        if self.logged > width:
+            grown = self.token_ids.new_zeros(self.batch_size, max(self.logged, 2 * width))
+            grown[:, :width] = self.token_ids
+            self.token_ids = grown
+        if q_pos.shape[1] == 1:  # a decode step: every row real, no host sync
+            self.token_ids.scatter_(1, q_pos, ids.to(self.device))
+            return
+        row, t = (q_pos >= 0).nonzero(as_tuple=True)
+        self.token_ids[row, q_pos[row, t]] = ids.to(self.device)[row, t]
 
     def observe(self, window: int, exact: bool = False) -> None:
         """Keep at most ``window`` queries in the ring (0 releases it): what the methods that read queries still
@@ -159,7 +179,8 @@ class PagedKVCache(ByteAccounting, nn.Module):
     def drop_from(self, seen: Tensor) -> None:
         """Forget every held token at position >= ``seen`` [B] and rewind to it (what KVzip's reconstruction
         appended). Kept tokens are in position order, so those are each head's tail."""
-        counts = torch.stack([(v & (p < seen[:, None, None])).sum(-1) for *_, p, v in map(self.dense, range(self.num_layers))])
+        views = map(self.dense, range(self.num_layers))
+        counts = torch.stack([(valid & (pos < seen[:, None, None])).sum(-1) for *_, pos, valid in views])
         keep = torch.arange(max(int(counts.max()), 1), device=self.device).expand(*counts.shape, -1)
         self.keep(Plan(keep, counts))
         self.seen = seen.clone()
@@ -183,7 +204,8 @@ class PagedKVCache(ByteAccounting, nn.Module):
         j = self.lengths.long()[..., None] + torch.arange(P, device=self.device)  # [L, B, Hkv, P]
         past = j < self.pages_held()[..., None] * P
         rows = reference.rows_of(self.page_table, j.clamp_max(self.page_table.shape[-1] * P - 1), P)[past]
-        for pool in (self.k_pages.view(-1, self.head_dim), self.v_pages.view(-1, self.head_dim), self.page_pos.view(-1, 1)):
+        D = self.head_dim
+        for pool in (self.k_pages.view(-1, D), self.v_pages.view(-1, D), self.page_pos.view(-1, 1)):
             pool.index_fill_(0, rows, 0)
 
     def update_values(self, layer: int, fn) -> None:
@@ -193,90 +215,11 @@ class PagedKVCache(ByteAccounting, nn.Module):
         rows = reference.rows_of(self.page_table[layer], index, self.page_size)[valid]
         self.v_pages.view(-1, self.head_dim).index_copy_(0, rows, fn(values[valid]).to(self.dtype))
 
-    # ------------------------------------------------------------------ pages
-    def reserve(self, n_tokens: int | Tensor, growth: float = 1.5) -> None:
-        """Own enough pages that every head of row b can take ``n_tokens[b]`` more tokens, then pack the pool (one
-        copy of the owned pages); a full pool grows to ``growth`` times its size (or what is needed)."""
-        n = torch.as_tensor(n_tokens, device=self.device).long().expand(self.batch_size)
-        want = (self.lengths.long() + n[None, :, None] + self.page_size - 1) // self.page_size
-        need = (want - self.n_pages).clamp_min(0)
-        if bool(need.any()):
-            self._widen(int(want.max()))
-            self.n_pages += need  # the new pages point at page 0 until _renumber gives them pages of their own
-            used, capacity = 1 + int(self.n_pages.sum()), self.k_pages.shape[0]
-            self._renumber(capacity if used <= capacity else max(used, int(capacity * growth)))
-        self.room = max(self.room, int(n.min()))
-        self._note()
-
-    def provision(self, capacity: int, width: int) -> None:
-        """Make the pool exactly ``capacity`` pages (scratch included; at least what heads own) and the page table
-        ``width`` wide: what a decode-time cap sizes once, so decode shapes stay put."""
-        self._renumber(max(capacity, 1 + int(self.n_pages.sum())))
-        self._widen(width)
-        self._note()
-
-    def release_unused(self) -> None:
-        """Give up every page past each head's length; the next ``reserve`` or ``trim`` reclaims them."""
-        self.n_pages = self.pages_held()
-        self.page_table = self.page_table.masked_fill(~self._owned(), 0)
-        self.page_table = self.page_table[..., : max(int(self.n_pages.max()), MIN_WIDTH)].contiguous()
-        self.room = 0
-
-    def trim(self, spare_pages: int = 0) -> None:
-        """Shrink the pool to the pages heads own plus ``spare_pages``, renumbering pages. Frees real memory."""
-        capacity = 1 + int(self.n_pages.sum()) + spare_pages
-        if capacity < self.k_pages.shape[0]:
-            self._renumber(capacity)
-
-    def pack(self) -> None:
-        """Renumber pages so that each head's pages are consecutive, heads in (layer, row, head) order (what a
-        reservation does); free when already packed."""
-        ids = self.page_table[self._owned()]
-        if not torch.equal(ids, torch.arange(1, ids.numel() + 1, dtype=ids.dtype, device=self.device)):
-            self._renumber(self.k_pages.shape[0])
-
-    def packed(self) -> bool:
-        """True when the page table is the run 1, 2, 3, ... : every head owning as many pages as the table is wide,
-        heads in (layer, row, head) order (a reservation packs the pool). Layer l's heads then hold pool pages
-        ``1 + l*n ... (l+1)*n`` (n = B*Hkv*width), which a packed decode program reads in place. Checked once per
-        page-table change, not per step."""
-        table = self.page_table
-        ref, version, answer = self._packed_for
-        if ref() is not table or version != table._version:
-            n = table.numel()
-            run = torch.arange(1, n + 1, dtype=table.dtype, device=table.device)
-            answer = n < self.k_pages.shape[0] and torch.equal(table.reshape(-1), run)
-            self._packed_for = (weakref.ref(table), table._version, answer)
-        return answer
-
-    def _widen(self, width: int) -> None:
-        """Widen the page table to ``width`` pages (new slots point at the scratch page 0)."""
-        if width > self.page_table.shape[-1]:
-            self.page_table = nn.functional.pad(self.page_table, (0, width - self.page_table.shape[-1]))
-
-    def _owned(self) -> Tensor:
-        """[L, B, Hkv, W] True at the page-table slots of pages a head owns."""
-        return torch.arange(self.page_table.shape[-1], device=self.device) < self.n_pages[..., None]
-
-    def _renumber(self, capacity: int) -> None:
-        """Make the pool ``capacity`` pages with the owned pages at 1, 2, ... in (layer, row, head, page) order, in
-        new storage (the old pool is released); every page nobody owns is zero."""
-        owned = self._owned()
-        keep = torch.cat([self.page_table.new_zeros(1), self.page_table[owned]]).long()  # scratch page, then owned
-        n = keep.numel() - 1
-        for name in ("k_pages", "v_pages", "page_pos"):
-            pool = getattr(self, name)
-            new = pool.new_empty(capacity, *pool.shape[1:])
-            torch.index_select(pool, 0, keep, out=new[: n + 1])  # one read and one write of what heads own
-            new[n + 1 :] = 0
-            setattr(self, name, new)
-        new_ids = torch.arange(1, n + 1, dtype=torch.int32, device=self.device)
-        self.page_table = torch.zeros_like(self.page_table).masked_scatter_(owned, new_ids)
-
     # ------------------------------------------------------------------ reads
     def dense(self, layer: int):
         """Dense views of one layer: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S]."""
-        return reference.gather_dense(self.k_pages, self.v_pages, self.page_pos, self.page_table[layer], self.lengths[layer])
+        return reference.gather_dense(self.k_pages, self.v_pages, self.page_pos, self.page_table[layer],
+                                      self.lengths[layer])
 
     def program_tensors(self) -> tuple[Tensor, ...]:
         """The tensors a program reads and writes, in the calling convention's order (``programs.CACHE_INPUTS``)."""

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 class QueryRing(nn.Module):
     def __init__(self, num_layers: int, num_q_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.register_buffer("queries", torch.zeros(num_layers, 0, num_q_heads, 0, head_dim, dtype=dtype, device=device))
+        queries = torch.zeros(num_layers, 0, num_q_heads, 0, head_dim, dtype=dtype, device=device)
+        self.register_buffer("queries", queries)
         self.register_buffer("positions", torch.full((0, 0), -1, dtype=torch.long, device=device))
 
     @property

@@ -24,7 +24,8 @@ def calibration_runner(model, window: int = 0):
     """A full-budget ``CompressedModel`` over ``model``'s programs (nothing re-captured) whose cache observes the
     last ``window`` prefill queries: what calibrated methods (RippleKV, SGD-KV, CateKV) measure a model with."""
     recipe = Recipe("calibration", "snapkv", scorer_args={"window": window}) if window else Recipe("full", None)
-    return CompressedModel(model.programs, model.spec, recipe, Budget.parse(1.0), device=model.device, source=model.source)
+    return CompressedModel(model.programs, model.spec, recipe, Budget.parse(1.0), device=model.device,
+                           source=model.source)
 
 
 def cached_calibration(kind: str, model, token_ids: Tensor, params: dict, compute):

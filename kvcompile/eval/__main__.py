@@ -1,4 +1,4 @@
-"""``python -m kvcompile.eval ARGS``: lm-eval's command line with the kvcompile model and tasks (see ``lm_eval_cli``)."""
+"""``python -m kvcompile.eval ARGS``: lm-eval's command line with the kvcompile model and tasks (``lm_eval_cli``)."""
 
 import sys
 

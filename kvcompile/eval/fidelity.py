@@ -1,8 +1,8 @@
 """Task-independent fidelity of a compressed cache against the full one.
 
 Protocol: a context of ``context`` prose tokens (``pydoc_data``) is prefilled once at full budget (all but its
-last token, ``compress=False``); each (recipe, budget) cell forks that cache and compresses it; then the last context token and
-``scored`` continuation tokens are teacher-forced over the compressed cache and over the full one.
+last token, ``compress=False``); each (recipe, budget) cell forks that cache and compresses it; then the last
+context token and ``scored`` continuation tokens are teacher-forced over the compressed cache and over the full one.
 
 - Local, per layer and KV head (oracle-style: the continuation's queries as computed with the full cache):
   dropped attention mass ``m`` = attention the evicted tokens received, and the attention-output relative error

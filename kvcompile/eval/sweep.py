@@ -96,7 +96,8 @@ def run(
         (r, Budget.parse(b)) for r in chosen for b in budgets if r.name != "full"
     ]
     widest = max(_observation_window(cm, r, b) for r, b in cells)
-    base = kvcompile.apply(cm, budget=1.0, recipe=Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)}))
+    shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps everything
+    base = kvcompile.apply(cm, budget=1.0, recipe=shared)
     table = {(t.name, r.name, str(b)): _Cell(r.name, str(b)) for t in task_objs for r, b in cells}
     timing = {"shared_prefill_s": 0.0, "cells_s": 0.0, "contexts": 0, "separate_s": 0.0, "separate_contexts": 0,
               "separate_shared_s": 0.0, "separate_mismatches": 0}

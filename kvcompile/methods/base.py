@@ -123,7 +123,7 @@ class ContextTokens(Source):
 @dataclass(frozen=True)
 class LayerWeights(Source):
     """A weight of the layer, read from the captured graph: ``"o_proj"``, the attention output projection
-    [hidden, Hq * D], in ``Observation.weights``."""
+    [hidden, Hq * D] (W_O), in ``Observation.weights``."""
 
     name: str
 

@@ -89,8 +89,8 @@ class CateKVHeads(Allocator):
     consistent heads keep ``consistent_share`` of the uniform per-head share, and get what adaptive heads cannot
     hold on top (paper: consistent heads a fixed sparse budget, adaptive heads the full cache).
 
-    ``adaptive_heads`` [L][Hkv] (True = adaptive) comes from ``calibration.catekv.calibrate`` (the paper's offline classification
-    over calibration texts); without it the same test runs on each prompt's own scores (inferred). Inferred: the
+    ``adaptive_heads`` [L][Hkv] (True = adaptive) comes from ``calibration.catekv.calibrate`` (the paper's offline
+    classification over calibration texts); without it the same test runs on each prompt's own scores (inferred). Inferred: the
     consistent heads' budget as a share of the uniform one, needed to honour a byte budget.
     """
 

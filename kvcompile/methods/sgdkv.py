@@ -16,8 +16,8 @@ class SGDKV(Allocator):
     rest of the budget is shared in proportion to the head's diagnostic score, capped at what the head holds, the
     excess water-filled to the other heads (paper, METHODS.md section 17).
 
-    ``head_scores`` [L][Hkv] come from ``calibration.sgdkv.calibrate`` (measured once per model, cached on disk); without them
-    every head scores the same, which is the uniform allocation. Inferred: the reserve size (the observation
+    ``head_scores`` [L][Hkv] come from ``calibration.sgdkv.calibrate`` (measured once per model, cached on disk);
+    without them every head scores the same, which is the uniform allocation. Inferred: the reserve size (the observation
     window SnapKV keeps, 128 in the paper's pairing).
     """
 

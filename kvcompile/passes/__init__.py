@@ -20,9 +20,9 @@ from .streamed_linear import StreamWeightsLinear
 def rewrite(
     captured: fx.GraphModule, spec: ModelSpec, *, decode: bool, last_logits: bool = False, packed: bool = False,
     stream_weights: bool = False,
-) -> tuple[fx.GraphModule, list[float]]:
+) -> tuple[fx.GraphModule, InsertPagedAttention]:
     """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or a decode program),
-    and the per-layer softmax scales its attention uses.
+    and the attention pass, which recorded each layer's softmax scale and output projection.
 
     The program is ``forward(*signature.INPUTS) -> logits``; with ``last_logits`` the logits are [B, 1, V]; with ``packed``
     it may only run on a packed cache (``PagedKVCache.packed``), which it reads without gathering; with
@@ -33,7 +33,7 @@ def rewrite(
     gm = fx.GraphModule(captured, graph)
     paged = InsertPagedAttention(spec, decode=decode, packed=packed)
     order = [paged] + [KeepLastLogits()] * last_logits + [StreamWeightsLinear()] * stream_weights + [DropDeadMaskCode()]
-    return PassManager(order)(gm), paged.scales
+    return PassManager(order)(gm), paged
 
 
 __all__ = [

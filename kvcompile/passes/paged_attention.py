@@ -9,7 +9,7 @@ from .. import ops  # noqa: F401  (registers torch.ops.kvcompile)
 from ..signature import ADDED
 from ..spec import ModelSpec
 from .base import GraphPass
-from .sdpa import UnsupportedGraph, find_sdpa, kv_heads_source, module_path, sdpa_args
+from .sdpa import UnsupportedGraph, find_sdpa, kv_heads_source, module_path, output_projection, sdpa_args
 
 
 class InsertPagedAttention(GraphPass):
@@ -17,7 +17,8 @@ class InsertPagedAttention(GraphPass):
 
     Adds graph inputs after the existing ones, named and ordered as ``signature.INPUTS`` declares (the step's
     positions, pool rows and ring slots, then the cache tensors, which the ops mutate in place), so the same program
-    runs eagerly, compiled or exported. ``scales`` records each layer's softmax scale.
+    runs eagerly, compiled or exported. ``scales`` records each layer's softmax scale, ``output_weights`` the
+    attribute path of its output projection W_O (None where the graph has none in reach).
     Keys and values are taken before ``repeat_kv``, so the op sees one head per KV head. The model's own
     attention mask is dropped: the op rebuilds causal, padding and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
     is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
@@ -47,7 +48,7 @@ class InsertPagedAttention(GraphPass):
         ops = torch.ops.kvcompile
         op = (ops.decode_attention_packed if self.packed else ops.decode_attention) if self.decode else ops.prefill_attention
         op = op.default
-        self.scales = []
+        self.scales, self.output_weights = [], []
         for layer, node in enumerate(nodes):
             call = sdpa_args(node)
             self._check_semantics(node, call)
@@ -69,6 +70,8 @@ class InsertPagedAttention(GraphPass):
             new.meta["kvc.layer"] = layer
             node.replace_all_uses_with(new)
             graph.erase_node(node)
+            weight = output_projection(new)
+            self.output_weights.append(None if weight is None else weight.target)
         self.matched = len(nodes)
 
     def _check_semantics(self, node: fx.Node, call) -> None:

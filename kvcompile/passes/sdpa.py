@@ -60,6 +60,23 @@ def _heads(node: fx.Node) -> int | None:
     return int(val.shape[1]) if isinstance(val, torch.Tensor) and val.dim() == 4 else None
 
 
+_RESHAPES = _VIEWS + (aten.transpose.int, aten.permute.default)
+
+
+def output_projection(node: fx.Node) -> fx.Node | None:
+    """The weight (a ``get_attr`` node) of the linear projection that reads attention output ``node`` through
+    reshapes and transposes only (W_O), or None when the output goes anywhere else."""
+    x = node
+    while len(x.users) == 1:
+        x = next(iter(x.users))
+        if x.op == "call_function" and x.target == aten.linear.default and x.args[0] is not node:
+            weight = x.args[1]
+            return weight if isinstance(weight, fx.Node) and weight.op == "get_attr" else None
+        if not (x.op == "call_function" and x.target in _RESHAPES):
+            return None
+    return None
+
+
 def kv_heads_source(node: fx.Node, num_kv_heads: int) -> fx.Node | None:
     """The node holding ``node``'s keys (or values) with ``num_kv_heads`` heads, seeing through repeat_kv.
 
