@@ -24,9 +24,6 @@ from .capture import capture
 from .signature import INPUTS
 from .spec import LayerSpec, ModelSpec
 
-NAMES = ("prefill", "prefill_last", "decode", "decode_packed")
-
-
 @dataclass
 class Programs:
     """``prefill`` / ``prefill_last`` / ``decode`` / ``decode_packed``: ``forward(*signature.INPUTS) -> logits``

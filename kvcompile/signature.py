@@ -33,4 +33,3 @@ INPUTS = (
     Input("obs_q", ((1, "batch"), (3, "ring")), "cache"),
 )
 ADDED = tuple(i.name for i in INPUTS[2:])  # what the passes add after (input_ids, position_ids)
-CACHE = tuple(i.name for i in INPUTS if i.source == "cache")
