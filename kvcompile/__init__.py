@@ -55,7 +55,7 @@ def apply(
     recipe: a name from ``kvcompile.recipes()`` or a ``Recipe``.
     page_size: tokens per page (P). Smaller pages waste less to rounding; larger pages read faster.
     prefill_chunk: prefill long prompts this many tokens at a time, compressing between chunks, so the cache
-        peaks near budget + one chunk.
+        peaks near budget + one chunk (default: the recipe's, e.g. 128 for ``"block+keydiff"``).
     compile: ``True`` sends the rewritten prefill and decode programs through ``torch.compile`` (Inductor,
         ``fullgraph=True``; prefill with dynamic shapes; decode compiles once per batch size, in a CUDA graph on
         CUDA); a backend name or callable picks another backend.
@@ -71,6 +71,7 @@ def apply(
         raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
     checks.positive_int("page_size", page_size)
     checks.positive_int("prefill_chunk", prefill_chunk, allow_none=True)
+    prefill_chunk = recipe.prefill_chunk if prefill_chunk is None else prefill_chunk
     if isinstance(model, CompressedModel):  # re-target: same programs, new recipe or budget (nothing rewritten)
         if model.programs.captured is None:
             raise ValueError("this CompressedModel was loaded from an exported artifact and cannot be re-targeted")

@@ -122,11 +122,13 @@ def _fidelity(args) -> int:
 
 
 def _recipes(args) -> int:
-    from kvcompile.recipes import recipes
+    from kvcompile.recipes import WRAPPERS, recipes
 
-    print("| recipe | provenance | inferred | source |\n|---|---|---|---|")
-    for r in recipes().values():
-        print(f"| {r.tag} | {r.provenance} | {r.inferred or '-'} | {r.source} |")
+    for title, table in (("recipe", recipes()), ("wrapper (compose as wrapper+recipe)", WRAPPERS)):
+        print(f"| {title} | provenance | inferred | source |\n|---|---|---|---|")
+        for r in table.values():
+            print(f"| {r.tag} | {r.provenance} | {r.inferred or '-'} | {r.source} |")
+        print()
     return 0
 
 

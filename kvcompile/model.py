@@ -48,6 +48,7 @@ class CompressedModel(Steps, nn.Module):
         self.programs, self.spec, self.recipe, self.budget = programs, spec, recipe, budget
         self.source = source  # the model applied to: its weights are this model's parameters
         self.scorer, self.allocator = recipe.build()
+        self.allocator.check(spec.num_layers)
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config
         sources = self.scorer.sources() if self.scorer else ()

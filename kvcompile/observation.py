@@ -1,6 +1,6 @@
 """What a method may read at compression time, supplied through one mechanism.
 
-A method declares its sources (``methods.base.Source``: ``Scorer.sources``); ``check`` refuses, at ``apply``, any
+A method declares its sources (``methods.sources.Source``: ``Scorer.sources``); ``check`` refuses, at ``apply``, any
 source the runtime cannot supply yet (hidden states, an extra pass, gradients); ``observe`` builds a layer's
 ``Observation`` from the cache (held keys, values and positions; the ring's queries; the token ids it logs for
 ``ContextTokens``) and the layer's weights (``LayerWeights``: W_O, found in the graph); ``reconstructing`` runs a
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .cache import PagedKVCache
 from .methods import Observation
-from .methods.base import ContextTokens, LayerWeights, QueryWindow, Reconstruction, Source
+from .methods.sources import ContextTokens, LayerWeights, QueryWindow, Reconstruction, Source
 from .spec import LayerSpec
 
 SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights)

@@ -47,6 +47,18 @@ def left_padded_batch(lengths, total: int, seed: int = 0):
     return ids.masked_fill(mask == 0, 0), mask
 
 
+def assert_plain_at_full_budget(model, captured, recipe) -> None:
+    """``recipe`` at budget 1.0 reproduces ``model`` (the plain transformers model ``captured`` was applied to)."""
+    import kvcompile
+
+    cm = kvcompile.apply(captured, budget=1.0, recipe=recipe, page_size=4)
+    ids, mask = left_padded_batch([40, 31], total=40, seed=2)
+    logits = cm.prefill(ids, mask)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0)).logits
+    assert (logits[mask.bool()] - ref[mask.bool()]).abs().max() <= 1e-4
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama", layers=3)

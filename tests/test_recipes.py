@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvcompile
+from kvcompile.recipes import WRAPPERS
 from kvcompile.cli import main as cli
 from kvcompile.eval.sweep import markdown
 from kvcompile.recipes import PROVENANCE, RECIPES, Recipe
@@ -75,8 +76,8 @@ def test_name_version_source_and_provenance_are_not_behaviour():
 def test_a_changed_helper_or_constant_changes_the_fingerprint(tmp_path):
     base = probe_code(tmp_path, PROBE)
     assert set(base) == {"fp_probe.Probe", "fp_probe.helper", "fp_probe.OFFSET", "kvcompile.methods.base.Scorer",
-                         "kvcompile.methods.base.Observation", "kvcompile.methods.base.Source",
-                         "kvcompile.methods.base.QueryWindow"}  # the base class, and what its code and annotations name
+                         "kvcompile.methods.base.Observation", "kvcompile.methods.sources.Source",
+                         "kvcompile.methods.sources.QueryWindow"}  # the base class, and what its code and annotations name
     assert probe_code(tmp_path, PROBE.replace("return x + OFFSET", "return x - OFFSET")) != base
     assert probe_code(tmp_path, PROBE.replace("OFFSET = 1", "OFFSET = 2")) != base
 
@@ -129,8 +130,11 @@ def test_recipes_show_tag_provenance_and_what_is_inferred(capsys):
     assert str(kvcompile.recipes()["full"]) == "full@1: nothing evicted + uniform (control)"
     assert cli(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 2 + len(RECIPES) and lines[0] == "| recipe | provenance | inferred | source |"
+    assert lines[0] == "| recipe | provenance | inferred | source |" and lines[2 + len(RECIPES)] == ""
+    assert lines[3 + len(RECIPES)].startswith("| wrapper (compose as wrapper+recipe) |")
+    assert len(lines) == 2 + len(RECIPES) + 3 + len(WRAPPERS) + 1
     assert "| h2o@2 | peer | ranked once after prefill" in "\n".join(lines)
+    assert "| chunkkv@1 | peer |" in "\n".join(lines)
 
 
 def test_the_sweep_table_shows_provenance_next_to_the_recipe_tag():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_batch, tiny_model
+from conftest import assert_plain_at_full_budget, left_padded_batch, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvcompile
@@ -362,13 +362,7 @@ def test_recipe_generates_with_the_context_compressed_first(llama_cm, recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_at_full_budget_is_the_plain_model(llama, llama_cm, recipe):
-    cm = kvcompile.apply(llama_cm, budget=1.0, recipe=recipe, page_size=4)
-    ids, mask = left_padded_batch([40, 31], total=40, seed=2)
-    logits = cm.prefill(ids, mask)
-    with torch.no_grad():
-        ref = llama(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0)).logits
-    real = mask.bool()
-    assert (logits[real] - ref[real]).abs().max() <= 1e-4
+    assert_plain_at_full_budget(llama, llama_cm, recipe)
 
 
 def test_scores_are_computed_on_what_the_cache_observed(llama_cm):

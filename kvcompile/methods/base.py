@@ -13,6 +13,10 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from .sources import (  # noqa: F401  (the sources a method declares, importable from here)
+    ContextTokens, ExtraPass, Gradients, HiddenStates, LayerWeights, QueryWindow, Reconstruction, Source,
+)
+
 SCORERS: dict[str, type] = {}
 ALLOCATORS: dict[str, type] = {}
 
@@ -95,54 +99,6 @@ class Observation:
         return [slice(i * block, (i + 1) * block) for i, any_real in enumerate(has) if any_real]
 
 
-@dataclass(frozen=True)
-class Source:
-    """Something a method reads at compression time beyond the held keys and values. A method declares its sources
-    (``Scorer.sources``); the runtime supplies them through one mechanism (``kvcompile.observation``) and refuses,
-    at ``apply``, a source it cannot supply yet."""
-
-
-@dataclass(frozen=True)
-class QueryWindow(Source):
-    """The last ``size`` queries of every layer: ``Observation.queries`` / ``query_positions``."""
-
-    size: int
-
-
-@dataclass(frozen=True)
-class Reconstruction(Source):
-    """A prompt (``Scorer.reconstruction_prompt``) prefilled after the context before scoring, its queries alone in
-    the window, its tokens dropped again after compression (KVzip's context reconstruction)."""
-
-
-@dataclass(frozen=True)
-class ContextTokens(Source):
-    """The token id of every held entry: ``Observation.token_ids`` [B, Hkv, S]."""
-
-
-@dataclass(frozen=True)
-class LayerWeights(Source):
-    """A weight of the layer, read from the captured graph: ``"o_proj"``, the attention output projection
-    [hidden, Hq * D] (W_O), in ``Observation.weights``."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class HiddenStates(Source):
-    """Each layer's input hidden states for the held tokens (not supplied yet)."""
-
-
-@dataclass(frozen=True)
-class ExtraPass(Source):
-    """A second forward pass over the context with a method's own inputs (not supplied yet)."""
-
-
-@dataclass(frozen=True)
-class Gradients(Source):
-    """Gradients of a loss with respect to the held keys and values, from a backward pass (not supplied yet)."""
-
-
 class Scorer:
     """Per-token importance within each KV head."""
 
@@ -170,6 +126,31 @@ class Scorer:
         raise NotImplementedError
 
 
+@dataclass
+class Wrapper(Scorer):
+    """A scorer that changes how another registered scorer's scores select tokens (kvpress's wrapper presses):
+    ``base`` names that scorer, ``base_args`` its parameters. It reads what its base reads."""
+
+    base: str = "snapkv"
+    base_args: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.base not in SCORERS:
+            raise ValueError(f"{self.name}: base must be a registered scorer, got {self.base!r}; known: "
+                             f"{sorted(SCORERS)}")
+        self._base = SCORERS[self.base](**self.base_args)
+
+    @property
+    def observation_window(self) -> int:
+        return self._base.observation_window
+
+    def sources(self) -> tuple[Source, ...]:
+        return self._base.sources()
+
+    def reconstruction_prompt(self, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+        return self._base.reconstruction_prompt(input_ids, real)
+
+
 class Allocator:
     """How many tokens each (layer, KV head) keeps under one budget per sequence.
 
@@ -189,6 +170,9 @@ class Allocator:
         layers, as a fourth argument ``stats``."""
         raise NotImplementedError
 
+    def check(self, num_layers: int) -> None:
+        """Refuse, before anything runs, parameters that do not fit a model of ``num_layers`` layers."""
+
     def layer_stats(self, obs: Observation, scores: Tensor) -> Tensor | None:
         """Statistics beyond the scores that ``allocate`` needs from one layer's dense view (``obs``; ``scores``
         [B, Hkv, S] as the compressor cleaned them): a tensor [B, Hkv, ...], or None (the default)."""
@@ -204,6 +188,24 @@ def per_head_share(lengths: Tensor, budget: Tensor) -> Tensor:
     """[B] average tokens per (layer, KV head) that ``budget`` [B] allows."""
     L, _, Hkv = lengths.shape
     return budget // (L * Hkv)
+
+
+def position_sums(values: Tensor, obs: Observation) -> Tensor:
+    """[B, P] the sum over heads of ``values`` [B, H, S] (H = Hkv or Hq) at each original position, P = the largest
+    held position + 1: heads may hold different tokens (earlier compressions are per head), so they meet by
+    position. Unheld entries add nothing."""
+    B, H, S = values.shape
+    G = H // obs.keys.shape[1]
+    valid = obs.valid.repeat_interleave(G, 1)
+    pos = obs.positions.masked_fill(~obs.valid, 0).repeat_interleave(G, 1).reshape(B, -1)
+    total = torch.zeros(B, int(obs.positions.masked_fill(~obs.valid, 0).max()) + 1, device=values.device)
+    return total.scatter_add_(1, pos, values.float().masked_fill(~valid, 0).reshape(B, -1))
+
+
+def at_positions(table: Tensor, obs: Observation) -> Tensor:
+    """A per-position table [B, P] read back for every held entry: [B, Hkv, S]."""
+    pos = obs.positions.masked_fill(~obs.valid, 0)
+    return table.gather(1, pos.reshape(pos.shape[0], -1)).reshape(pos.shape)
 
 
 def pool_groups(scores: Tensor, num_kv_heads: int, how: str = "mean") -> Tensor:

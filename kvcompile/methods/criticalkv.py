@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .base import SCORERS, Observation, Scorer, merge_rankings, register_scorer
+from .base import Observation, Wrapper, merge_rankings, register_scorer
 
 
 @register_scorer("criticalkv")
 @dataclass
-class CriticalKV(Scorer):
+class CriticalKV(Wrapper):
     """Two-stage selection over a ``base`` scorer (built from ``base_args``): a ``first_stage_ratio`` share of
     each head's kept tokens is the base score's top, the rest the top of (base + epsilon) * ||v||_1. Tokens the
     base protects stay protected.
@@ -22,22 +22,14 @@ class CriticalKV(Scorer):
     ~r*k and the re-weighted top ~(1 - r)*k, r = first_stage_ratio, and carries the base's score values, so
     Ada-KV's allocation compares heads by the base's scores."""
 
-    base: str = "snapkv"
-    base_args: dict = field(default_factory=dict)
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
 
     def __post_init__(self):
-        if self.base not in SCORERS or self.base == "criticalkv":
-            raise ValueError(f"base must be another registered scorer, got {self.base!r}; known: {sorted(SCORERS)}")
         if not 0.0 <= self.first_stage_ratio <= 1.0 or self.epsilon < 0:
             raise ValueError(f"need 0 <= first_stage_ratio <= 1 and epsilon >= 0, got {self.first_stage_ratio}, "
                              f"{self.epsilon}")
-        self._base = SCORERS[self.base](**self.base_args)
-
-    @property
-    def observation_window(self) -> int:
-        return self._base.observation_window
+        super().__post_init__()
 
     def _two_stage(self, scores, obs: Observation):
         """[B, H, S] base scores (H = Hkv or Hq) -> merged two-stage ranking scores, same shape."""

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from .base import Observation, Scorer, pool_groups, protect, register_scorer
+from .base import Observation, Scorer, at_positions, pool_groups, position_sums, protect, register_scorer
 
 
 @register_scorer("tova")
@@ -42,13 +40,6 @@ class TOVA(Scorer):
 
 
 def _layer_mean(attn, obs: Observation):
-    """Mean over all query heads of the attention each *position* gets, read back per KV head [B, Hkv, S].
-
-    Heads may hold different tokens (earlier compressions are per head), so heads are matched by position; a
-    head that does not hold a token contributes 0 to its mean."""
-    B, Hq, S = attn.shape
-    G = Hq // obs.keys.shape[1]
-    pos = obs.positions.masked_fill(~obs.valid, 0)
-    flat = pos.repeat_interleave(G, 1).reshape(B, -1)
-    total = torch.zeros(B, int(pos.max()) + 1, device=attn.device).scatter_add_(1, flat, attn.reshape(B, -1))
-    return total.gather(1, pos.reshape(B, -1)).reshape(pos.shape) / Hq
+    """Mean over all query heads of the attention each *position* gets, read back per KV head [B, Hkv, S]; a head
+    that does not hold a token contributes 0 to its mean."""
+    return at_positions(position_sums(attn, obs), obs) / attn.shape[1]

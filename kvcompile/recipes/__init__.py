@@ -36,6 +36,7 @@ class Recipe:
     decode: dict | None = None  # ``schedule.DecodeSchedule`` fields: compress while generating (None: never)
     provenance: str = "custom"  # a key of PROVENANCE
     inferred: str = ""  # what the recipe fills in beyond its evidence ("" = nothing)
+    prefill_chunk: int | None = None  # prefill this many tokens at a time (``apply``'s default for this recipe)
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:
@@ -235,8 +236,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILTIN}
 
 
 def get_recipe(recipe: str | Recipe) -> Recipe:
+    """A recipe by name, or a composition of wrappers and a recipe: ``"chunkkv+snapkv"`` (``recipes.compose``)."""
     if isinstance(recipe, Recipe):
         return recipe
+    if isinstance(recipe, str) and "+" in recipe:
+        from .compose import parse  # that module builds on Recipe and RECIPES
+
+        return parse(recipe)
     if recipe not in RECIPES:
         raise ValueError(f"unknown recipe {recipe!r}; known recipes: {', '.join(sorted(RECIPES))}")
     return RECIPES[recipe]
@@ -245,3 +251,6 @@ def get_recipe(recipe: str | Recipe) -> Recipe:
 def recipes() -> dict[str, Recipe]:
     """All built-in recipes by name."""
     return dict(RECIPES)
+
+
+from .compose import WRAPPERS, compose, prefill_decoding  # noqa: E402  (compositions build on the recipes above)

@@ -27,6 +27,9 @@ from pathlib import Path
 from ..methods import ALLOCATORS, SCORERS
 from ..methods.decoding import POLICIES
 from . import RECIPES, Recipe
+from .compose import WRAPPERS
+
+RECORDED = {**RECIPES, **WRAPPERS}  # built-in recipes and wrapper templates (their names never collide)
 
 RECORD = Path(__file__).with_name("fingerprints.json")
 RECORD_COMMAND = "python -m kvcompile.recipes.fingerprint --record"
@@ -35,8 +38,9 @@ _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 
 def behaviour(recipe: Recipe) -> dict:
     """The fields that decide what a recipe does: not its name, version, source or provenance."""
-    return {"scorer": recipe.scorer, "allocator": recipe.allocator, "scorer_args": recipe.scorer_args,
-            "allocator_args": recipe.allocator_args, "decode": recipe.decode}
+    fields = {"scorer": recipe.scorer, "allocator": recipe.allocator, "scorer_args": recipe.scorer_args,
+              "allocator_args": recipe.allocator_args, "decode": recipe.decode}
+    return fields | ({"prefill_chunk": recipe.prefill_chunk} if recipe.prefill_chunk else {})
 
 
 def code_roots(recipe: Recipe) -> list[type]:
@@ -45,7 +49,7 @@ def code_roots(recipe: Recipe) -> list[type]:
     roots = [ALLOCATORS[recipe.allocator]]
     roots += [SCORERS[recipe.scorer]] if recipe.scorer else []
     roots += [POLICIES[recipe.decode["policy"]]] if recipe.decode else []
-    return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args]) if s in SCORERS]
+    return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args, recipe.decode or {}]) if s in SCORERS]
 
 
 def fingerprint(recipe: Recipe) -> str:
@@ -140,7 +144,7 @@ def check_fingerprints(recipes=None) -> list[str]:
     version: its code or parameters changed at an unchanged version, or this version was never recorded."""
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     messages = []
-    for r in RECIPES.values() if recipes is None else recipes:
+    for r in RECORDED.values() if recipes is None else recipes:
         fp, seen = r.fingerprint, record.get(r.name)
         if seen is None or seen["version"] != r.version:
             was = "no version recorded" if seen is None else f"version {seen['version']} recorded"
@@ -156,7 +160,7 @@ def check_fingerprints(recipes=None) -> list[str]:
 def record() -> None:
     """Write every built-in recipe's version and fingerprint to ``fingerprints.json``."""
     lines = [f"{json.dumps(n)}: {json.dumps({'version': r.version, 'fingerprint': r.fingerprint})}"
-             for n, r in sorted(RECIPES.items())]
+             for n, r in sorted(RECORDED.items())]
     RECORD.write_text("{\n " + ",\n ".join(lines) + "\n}\n")  # one line per recipe: diffs name the recipe
 
 
@@ -166,10 +170,10 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true", help=f"write the current fingerprints to {RECORD.name}")
     args = parser.parse_args(argv)
     messages = check_fingerprints()
-    print("\n".join(messages) or f"all {len(RECIPES)} recipe fingerprints match {RECORD.name}")
+    print("\n".join(messages) or f"all {len(RECORDED)} recipe fingerprints match {RECORD.name}")
     if args.record:
         record()
-        print(f"recorded {len(RECIPES)} recipes in {RECORD}")
+        print(f"recorded {len(RECORDED)} recipes in {RECORD}")
         return 0
     return 1 if messages else 0
 

@@ -1,0 +1,55 @@
+"""Observation sources: what a method reads at compression time beyond the held keys and values.
+
+A method declares its sources (``Scorer.sources``); the runtime supplies them through one mechanism
+(``kvcompile.observation``) and refuses, at ``apply``, a source it cannot supply yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Source:
+    """Something a method reads besides the held keys and values."""
+
+
+@dataclass(frozen=True)
+class QueryWindow(Source):
+    """The last ``size`` queries of every layer: ``Observation.queries`` / ``query_positions``."""
+
+    size: int
+
+
+@dataclass(frozen=True)
+class Reconstruction(Source):
+    """A prompt (``Scorer.reconstruction_prompt``) prefilled after the context before scoring, its queries alone in
+    the window, its tokens dropped again after compression (KVzip's context reconstruction)."""
+
+
+@dataclass(frozen=True)
+class ContextTokens(Source):
+    """The token id of every held entry: ``Observation.token_ids`` [B, Hkv, S]."""
+
+
+@dataclass(frozen=True)
+class LayerWeights(Source):
+    """A weight of the layer, read from the captured graph: ``"o_proj"``, the attention output projection
+    [hidden, Hq * D] (W_O), in ``Observation.weights``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class HiddenStates(Source):
+    """Each layer's input hidden states for the held tokens (not supplied yet)."""
+
+
+@dataclass(frozen=True)
+class ExtraPass(Source):
+    """A second forward pass over the context with a method's own inputs (not supplied yet)."""
+
+
+@dataclass(frozen=True)
+class Gradients(Source):
+    """Gradients of a loss with respect to the held keys and values, from a backward pass (not supplied yet)."""

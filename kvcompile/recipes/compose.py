@@ -1,0 +1,108 @@
+"""Wrappers: recipe parts that change how another recipe selects (kvpress's wrapper presses), composed by name.
+
+``"chunkkv+snapkv"`` is SnapKV's scorer inside ChunkKV; ``"decoding+knorm"`` compresses while generating by
+re-scoring with KNorm; parts compose right to left (``"chunkkv+decoding+snapkv"``). ``compose`` takes the parts
+and the wrapper's parameters. A wrapper is a ``Recipe`` template with a ``ROLE``: which part of the wrapped recipe
+it takes over (its scorer, its allocator, its decode schedule, its prefill chunking). A composition's version is
+the sum of its parts' versions less one per wrapper, so bumping any part moves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import RECIPES, Recipe, get_recipe
+
+_PINS = "the base's pinned tokens rank first, their scores left out of the chunks' (kvpress adds max + 1 to them)"
+_WRAPPERS = [  # (role, template)
+    ("scorer", Recipe("chunkkv", "chunkkv", scorer_args={"chunk": 20}, source="https://arxiv.org/abs/2502.00299",
+                      provenance="peer", inferred="the budget's last chunk is cut, where kvpress keeps it whole; " + _PINS)),
+    ("scorer", Recipe("entropy-gated-chunkkv", "entropy-gated-chunkkv",
+                      scorer_args={"chunk": 10, "low_entropy_chunk_length": 4},
+                      source="kvpress 0.5.5 EntropyGatedChunkKVPress (no paper)", provenance="peer",
+                      inferred=_PINS)),
+    ("scorer", Recipe("chunk", "chunk", scorer_args={"chunk": 1024}, source="kvpress 0.5.5 ChunkPress (FINCH-style)",
+                      provenance="peer", inferred="chunk shares differ from kvpress's max(1, len (1 - ratio)) by "
+                                                  "rounding; chunks by original position")),
+    ("allocator", Recipe("adakv", "snapkv", "adakv", allocator_args={"alpha_safeguard": 0.2},
+                         source="https://arxiv.org/abs/2407.11550 (kvpress AdaKVPress around any scorer)",
+                         provenance="peer")),
+    ("allocator", Recipe("per-layer", "snapkv", "per-layer", source="kvpress 0.5.5 PerLayerCompressionPress",
+                         provenance="peer", inferred="the ratios rescaled to spend the budget")),
+    ("prefill", Recipe("block", "snapkv", prefill_chunk=128, source="https://arxiv.org/abs/2504.15364 (block "
+                       "prompt processing; kvpress BlockPress)", provenance="peer",
+                       inferred="real chunked prefill, each 128-token block compressed with what was kept: kvpress "
+                                "simulates it on the keys of one full prefill")),
+    ("decode", Recipe("decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
+                                                    "args": {"buffer": 256}},
+                      source="kvpress 0.5.5 DecodingPress", provenance="peer",
+                      inferred="the cap is a bound (kvpress oscillates between target and target + interval); "
+                               "the wrapped scorer also compresses a prompt over the cap")),
+    ("decode", Recipe("compression-ratio-decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
+                                                                      "args": {"buffer": 256}},
+                      source="kvpress 0.5.5 CompressionRatioDecodingPress (a fraction budget: the cap is that "
+                             "fraction of the tokens seen)", provenance="peer",
+                      inferred="the same schedule as decoding: here the budget's kind, not the wrapper, makes the "
+                               "cap a fraction of the tokens seen")),
+]
+WRAPPERS: dict[str, Recipe] = {r.name: r for _, r in _WRAPPERS}
+ROLE: dict[str, str] = {r.name: role for role, r in _WRAPPERS}
+_STRENGTH = ("official-code", "paper", "peer", "abstract", "control", "custom")  # strongest evidence first
+
+
+def compose(*parts: str | Recipe, **args) -> Recipe:
+    """The recipe ``parts[-1]`` (a name or ``Recipe``) wrapped by the wrappers named before it, innermost last;
+    ``args`` update the outermost wrapper's parameters (``compose("per-layer", "snapkv",
+    compression_ratios=[...])``)."""
+    *wrappers, base = parts
+    if not wrappers:
+        raise ValueError("compose needs at least one wrapper before the recipe, e.g. compose('chunkkv', 'snapkv')")
+    recipe = get_recipe(base)
+    for i, name in enumerate(reversed(wrappers)):
+        recipe = _wrap(name, recipe, args if i == len(wrappers) - 1 else {})
+    return recipe
+
+
+def prefill_decoding(prefill: str | Recipe, decoding: str | Recipe) -> Recipe:
+    """kvpress's PrefillDecodingPress: ``prefill``'s scorer and allocator for the prompt, ``decoding``'s schedule
+    while generating (``prefill_decoding("snapkv", "decoding+knorm")``)."""
+    first, then = get_recipe(prefill), get_recipe(decoding)
+    if then.decode is None:
+        raise ValueError(f"recipe {then.name!r} does not compress while decoding; wrap it: 'decoding+{then.name}'")
+    return _joined(first, then, name=f"prefill-decoding({first.name},{then.name})", decode=then.decode,
+                   source=f"kvpress 0.5.5 PrefillDecodingPress; {first.source}; {then.source}")
+
+
+def parse(name: str) -> Recipe:
+    """``"chunkkv+snapkv"`` -> ``compose("chunkkv", "snapkv")``."""
+    return compose(*name.split("+"))
+
+
+def _wrap(name: str, base: Recipe, args: dict) -> Recipe:
+    if name not in WRAPPERS:
+        hint = " (a recipe, not a wrapper: only the last part is wrapped)" if name in RECIPES else ""
+        raise ValueError(f"unknown wrapper {name!r}{hint}; wrappers: {', '.join(sorted(WRAPPERS))}")
+    if base.scorer is None:
+        raise ValueError(f"wrapper {name!r} needs a recipe that evicts, got {base.name!r}")
+    w, role = WRAPPERS[name], ROLE[name]
+    fields = {}
+    if role == "scorer":
+        fields = {"scorer": w.scorer,
+                  "scorer_args": {**w.scorer_args, **args, "base": base.scorer, "base_args": base.scorer_args}}
+    elif role == "allocator":
+        fields = {"allocator": w.allocator, "allocator_args": {**w.allocator_args, **args}}
+    elif role == "prefill":
+        fields = {"prefill_chunk": args.get("block_size", w.prefill_chunk)}
+    elif role == "decode":
+        policy_args = {**w.decode["args"], "scorer": base.scorer, "scorer_args": base.scorer_args}
+        fields = {"decode": {**w.decode, **args, "args": policy_args}}
+    return _joined(base, w, name=f"{name}+{base.name}", source=f"{w.source}; {base.source}", **fields)
+
+
+def _joined(base: Recipe, other: Recipe, **fields) -> Recipe:
+    """``base`` with ``fields`` replaced, versioned, evidenced and inferred as the two recipes together."""
+    strength = max(_STRENGTH.index(other.provenance), _STRENGTH.index(base.provenance))
+    return dataclasses.replace(
+        base, version=other.version + base.version - 1, provenance=_STRENGTH[strength],
+        inferred="; ".join(x for x in (other.inferred, base.inferred) if x), **fields,
+    )
