@@ -4,6 +4,7 @@ from . import adakv, knorm, pyramidkv, random_eviction, snapkv, streaming_llm, u
 from . import (  # noqa: F401  (registration)
     compactor, criticalkv, expected_attention, h2o, jacap, keydiff, kvzip, tova, twinkv,
 )
+from . import capkv, cur, lagkv, leverage_score, noncausal_attention, observed_attention  # noqa: F401  (kvpress)
 from . import catekv, certkv, contourkv, page_entrokv, ripplekv, sgdkv  # noqa: F401  (registration: allocators)
 from . import growpage, h2o_decode, inertiakv, random_attention, snapkv_decode  # noqa: F401  (registration: decode)
 from . import chunks, per_layer, scorer_decode  # noqa: F401  (registration: kvpress's wrappers)

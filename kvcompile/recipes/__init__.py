@@ -168,6 +168,42 @@ _BUILTIN = [
         inferred="v2 abstract with v1 details: the discount 1/(1 + lam f), prefix attention, capacities proportional "
                  "to it with a 0.2 floor",
     ),
+    # kvpress presses under their kvpress names and defaults (METHODS.md sections 26 onward)
+    Recipe(
+        "observed-attention", "observed-attention", scorer_args={"window": 8192, "block": 256},
+        source="https://arxiv.org/abs/2306.14048 (kvpress ObservedAttentionPress)", provenance="peer",
+        inferred="the last 8192 prompt queries (kvpress: every one); a query outside a sliding window is not counted",
+    ),
+    Recipe(
+        "lagkv", "lagkv", scorer_args={"n_sink": 4, "lag_size": 128, "cross_scoring": False},
+        source="https://arxiv.org/abs/2504.04704", provenance="peer",
+        inferred="partitions in each head's held order; a zero reference range divided by 1e-6 instead of NaN",
+    ),
+    Recipe(
+        "noncausal-attention", "noncausal-attention", scorer_args={"chunk": 256, "window": 8192},
+        source="https://arxiv.org/abs/2507.08143 (Compactor's attention component)", provenance="peer",
+        inferred="the last 8192 post-RoPE queries; scaled logits, masked chunk padding, smoothing and z-scores over "
+                 "each head's held tokens (kvpress: unscaled, padding leaks mass, z over the layer)",
+    ),
+    Recipe(
+        "leverage-score", "leverage-score", scorer_args={"sketch": 48, "seed": 0},
+        source="https://arxiv.org/abs/2507.08143 (Compactor's leverage component)", provenance="peer",
+        inferred="post-RoPE keys; a seeded sketch per layer and head; a 1e-9 ridge, not 1e-2 Cholesky jitter; "
+                 "z-scores per head",
+    ),
+    Recipe(
+        "cur", "cur",
+        scorer_args={"num_sinks": 4, "leverage_type": "kv_product", "use_random_leverage": False,
+                     "use_local_approximation": True, "local_window_size": 16},
+        source="https://arxiv.org/abs/2509.15038", provenance="peer",
+        inferred="windows in each head's held order; a window of zero energy scores 0 instead of NaN",
+    ),
+    Recipe(
+        "cappress", "cappress", scorer_args={"tau": 5.0, "window": 512, "n_sink": 4, "epsilon": 1e-6},
+        source="https://arxiv.org/abs/2604.25975 (kvpress CapPress)", provenance="peer",
+        inferred="query anchor = mean of the last 512 post-RoPE queries; kvpress: pre-RoPE ones, rotated by the "
+                 "RoPE averaged over the next 512 positions",
+    ),
     # allocators (prefill time), with the scorer each paper pairs them with
     Recipe("contourkv", "snapkv", "contourkv", {"window": 32, "kernel": 7}, {"variant": "contour"},
            source="https://arxiv.org/abs/2608.25230", provenance="abstract",

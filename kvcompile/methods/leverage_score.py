@@ -1,0 +1,35 @@
+"""Compactor's leverage component (https://arxiv.org/abs/2507.08143) alone: outlying keys by statistical leverage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Observation, Scorer, register_scorer
+from .compactor import _zscore, leverage
+
+
+@register_scorer("leverage-score")
+@dataclass
+class LeverageScore(Scorer):
+    """Score = z(leverage of the head's centred held keys), approximated through a right Gaussian sketch of width
+    ``sketch``; z = z-score over the head's held tokens. Attention-free. The same component as ``compactor``'s,
+    without its sinks. Algorithm and defaults follow kvpress's ``LeverageScorePress``.
+
+    Inferred: (1) kvpress recomputes pre-RoPE keys; the cache holds post-RoPE keys and those are used. (2) The
+    sketch is drawn from ``seed`` + layer, once per head for every batch row (kvpress: fresh per call, batch row
+    and head), so scores are reproducible and a row's do not depend on the others. (3) The Gram matrix gets a
+    1e-9 relative ridge (kvpress: Cholesky jitter from 1e-2), so leverage is exact where the sketch spans the
+    keys. (4) z-scores are per head (kvpress: over the whole layer)."""
+
+    sketch: int = 48
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.sketch < 1:
+            raise ValueError(f"sketch must be >= 1, got {self.sketch}")
+
+    def score(self, obs: Observation):
+        g = torch.Generator(device=obs.keys.device).manual_seed(self.seed + obs.layer)
+        return _zscore(leverage(obs.keys, obs.valid, self.sketch, g), obs.valid)
