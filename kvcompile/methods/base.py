@@ -116,6 +116,11 @@ class Reconstruction(Source):
 
 
 @dataclass(frozen=True)
+class Question(Source):
+    """The question's queries alone in the window, read apart from the context (``observation.reads_question``)."""
+
+
+@dataclass(frozen=True)
 class ContextTokens(Source):
     """The token id of every held entry: ``Observation.token_ids`` [B, Hkv, S]."""
 
@@ -177,8 +182,7 @@ class Allocator:
     ``TOKENS`` (default): keep each head's top ``allocate`` tokens. ``PAGES``: ``allocate`` gets page scores (the
     max over each page's tokens), pages held and a budget in pages, returns pages, and whole pages are kept or
     evicted. ``TAIL_SUMMARY``: a head that evicts spends the last of its counted slots on one new entry that
-    summarises its evicted tail, which ``summarize`` computes.
-    """
+    summarises its evicted tail, which ``summarize`` computes."""
 
     strategy: ClassVar[str] = "tokens"
 

@@ -167,6 +167,24 @@ _BUILTIN = [
         inferred="v2 abstract with v1 details: the discount 1/(1 + lam f), prefix attention, capacities proportional "
                  "to it with a 0.2 floor",
     ),
+    Recipe("qfilter", "qfilter", scorer_args={"window": 512},
+           source="https://arxiv.org/abs/2503.02812 (per-prompt filters until calibration.qfilter.calibrate fills "
+                  "filters)", provenance="peer",
+           inferred="filters = the first right-singular vector of the model's own post-RoPE queries, signed along "
+                    "them and scored +<u, k> (kvpress downloads published filters and scores -<f, k>); uncalibrated, "
+                    "each prompt's last 512 queries"),
+    Recipe("finch", "finch", scorer_args={"normalize_scores": True, "window": 8192}, query_aware=True,
+           source="https://doi.org/10.1162/tacl_a_00716", provenance="peer",
+           inferred="the question is generate's input_ids after context_ids (no delimiter token), at most its last "
+                    "8192 tokens; keys are not re-rotated (kvpress: rerotate_keys=True): positions stay original, "
+                    "and ragged heads would need a position offset each"),
+    Recipe("kvcompose", "kvcompose", "kvcompose",
+           {"agg_task": "max", "agg_group": "mean", "add_v_norm": False, "add_mean_across_heads": True,
+            "window": 8192},
+           {"structured": True, "agg_head": "mean", "keep_token_lower_bound": 0},
+           source="https://arxiv.org/abs/2509.05165", provenance="peer",
+           inferred="the second pass is a context reconstruction (the context alone, its tokens dropped after); the "
+                    "one-token floor per layer comes out of the budget, not on top of it"),
     # allocators (prefill time), with the scorer each paper pairs them with
     Recipe("contourkv", "snapkv", "contourkv", {"window": 32, "kernel": 7}, {"variant": "contour"},
            source="https://arxiv.org/abs/2608.25230", provenance="abstract",
