@@ -52,6 +52,7 @@ class CompressedModel(Steps, nn.Module):
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config
         sources = self.scorer.sources() if self.scorer else ()
+        self.reads_question = observation.reads_question(sources)  # FINCH: see ``Steps._read_prompt``
         observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
                                   dtype=spec.dtype, page_size=page_size, device=device,
@@ -163,6 +164,7 @@ class CompressedModel(Steps, nn.Module):
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         real = self._check(input_ids, attention_mask)
+        self._refuse_without_question(compress)
         with self._changing():
             return self._prefill(input_ids, real, compress, logits)
 
@@ -198,6 +200,7 @@ class CompressedModel(Steps, nn.Module):
         call after a shared ``prefill(..., compress=False)``)."""
         if self.seen is None:
             raise RuntimeError("the cache is empty: call prefill first")
+        self._refuse_without_question()
         with self._changing():
             self.context_tokens = self.cache.seen.clone()
             self._compress()
@@ -236,9 +239,10 @@ class CompressedModel(Steps, nn.Module):
         """Generate up to ``max_new_tokens`` after ``input_ids``; returns [B, T + new] (input then new tokens).
 
         With ``context_ids``, the context is prefilled and compressed *before* ``input_ids`` (the question) is read,
-        so no ranking can see the question (query-agnostic). Without it, ``input_ids`` itself is compressed
-        after prefill (``cache_stats()["query_aware"]`` is then True). Finished rows are padded with
-        ``pad_token_id`` (default: the first eos id).
+        so no ranking can see the question (query-agnostic), except a scorer that ranks by the question (FINCH),
+        which compresses both after the question. Without it, ``input_ids`` itself is compressed after prefill
+        (``cache_stats()["query_aware"]`` is then True). Finished rows are padded with ``pad_token_id`` (default:
+        the first eos id).
         """
         if eos_token_id is None and self.generation_config is not None:
             eos_token_id = self.generation_config.eos_token_id
@@ -246,15 +250,13 @@ class CompressedModel(Steps, nn.Module):
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
         context_real, real = checks.prompt(input_ids, attention_mask, context_ids, context_mask, max_new_tokens,
                                            vocab_size=self.programs.vocab_size, max_positions=self.spec.max_positions)
+        self._refuse_without_question(context_ids is None)
         if self.schedule is not None and max_new_tokens > 1:
             self._fit_schedule(int(real.sum(1).min()) + (0 if context_ids is None else int(context_real.sum(1).min())))
         self.reset()
         sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator)
         with self._changing():
-            if context_ids is not None:
-                self._prefill(context_ids, context_real.to(self.device), True, "last")
-            logits = self._prefill(input_ids, real.to(self.device), context_ids is None, "last", pending=False)
-            self.query_aware = context_ids is None or self.recipe.query_aware
+            logits = self._read_prompt(input_ids, real.to(self.device), context_ids, context_real)
             if self.schedule is None:  # one reservation for the whole generation (a schedule reserves its own)
                 self.cache.reserve(max_new_tokens)
             new = generate_tokens(self._decode, logits, max_new_tokens, torch.tensor(eos, device=self.device), pad,

@@ -4,7 +4,8 @@ A method declares its sources (``methods.sources.Source``: ``Scorer.sources``); 
 source the runtime cannot supply yet (hidden states, an extra pass, gradients); ``observe`` builds a layer's
 ``Observation`` from the cache (held keys, values and positions; the ring's queries; the token ids it logs for
 ``ContextTokens``) and the layer's weights (``LayerWeights``: W_O, found in the graph); ``reconstructing`` runs a
-``Reconstruction`` source's prompt around one compression (KVzip).
+``Reconstruction`` source's prompt around one compression (KVzip); ``reads_question`` tells ``generate`` to read the
+context unobserved and compress after the question (FINCH's ``Question``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from torch import Tensor
 
 from .cache import PagedKVCache
 from .methods import Observation
-from .methods.sources import ContextTokens, LayerWeights, QueryWindow, Reconstruction, Source
+from .methods.sources import ContextTokens, LayerWeights, Question, QueryWindow, Reconstruction, Source
 from .spec import LayerSpec
 
-SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights)
+SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question)
 
 
 def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] = ()) -> None:
@@ -40,6 +41,13 @@ def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] =
 def keeps_ids(sources: tuple[Source, ...]) -> bool:
     """Whether the cache must log the token id of every position (``ContextTokens``)."""
     return any(isinstance(s, ContextTokens) for s in sources)
+
+
+def reads_question(sources: tuple[Source, ...]) -> bool:
+    """Whether the scorer ranks by the question's queries (``Question``): ``generate(question, context_ids=...)`` then
+    reads the context unobserved and compresses context and question together after the question, so the window
+    holds the question alone; a compression without the question apart is refused."""
+    return any(isinstance(s, Question) for s in sources)
 
 
 def window(sources: tuple[Source, ...]) -> int:

@@ -26,6 +26,26 @@ class Steps:
         yield
         self._torn = False
 
+    def _read_prompt(self, input_ids: Tensor, real: Tensor, context_ids: Tensor | None, context_real: Tensor | None):
+        """``generate``'s prefill; returns the last logits. The context, when given, is compressed before the question
+        is read. A scorer that reads the ``Question`` (FINCH) instead reads the context unobserved and the question
+        observed, then compresses both, the budget counting both: its window holds the question's queries alone."""
+        asks = self.reads_question
+        if context_ids is not None:
+            context_real = context_real.to(self.device)
+            self._prefill(context_ids, context_real, not asks, "last", pending=not asks)
+            if asks:  # the budget counts the context too
+                self.context_tokens = self.context_tokens + context_real.sum(1)
+        logits = self._prefill(input_ids, real, context_ids is None or asks, "last", pending=False)
+        self.query_aware = context_ids is None or self.recipe.query_aware
+        return logits
+
+    def _refuse_without_question(self, compressing: bool = True) -> None:
+        """Raise, before anything changes, when a scorer that ranks by the question would compress without it."""
+        if compressing and self.reads_question and not self.budget.is_full:
+            raise ValueError(f"recipe {self.recipe.name!r} ranks the context by the question's queries: give the "
+                             "question apart, generate(question_ids, context_ids=context_ids)")
+
     def _prefill_step(self, ids: Tensor, real: Tensor, name: str, compressing: bool) -> Tensor:
         step = self.cache.append(real, observe=self.observation_window if compressing else self.decode_window, ids=ids)
         return self.programs.run(name, ids.to(self.device), step, self.cache)

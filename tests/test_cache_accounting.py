@@ -9,7 +9,7 @@ from conftest import left_padded_batch
 
 import kvcompile
 
-RECIPES = sorted(name for name, r in kvcompile.recipes().items() if r.scorer is not None)
+RECIPES = sorted(name for name, r in kvcompile.recipes().items() if r.scorer is not None and not r.query_aware)
 
 
 def owned_bytes(obj, seen=None) -> int:

@@ -1,4 +1,4 @@
-"""Per-model calibration for methods that measure a model once (RippleKV, SGD-KV, CateKV).
+"""Per-model calibration for methods that measure a model once (RippleKV, SGD-KV, CateKV, Q-Filters).
 
 Calibration runs the model, so it lives above the runtime: each module here measures a ``CompressedModel`` and
 returns plain numbers that a method's dataclass takes as a parameter (``methods`` never runs a model). This module

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .sources import (  # noqa: F401  (the sources a method declares, importable from here)
-    ContextTokens, ExtraPass, Gradients, HiddenStates, LayerWeights, QueryWindow, Reconstruction, Source,
+    ContextTokens, ExtraPass, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Source,
 )
 
 SCORERS: dict[str, type] = {}
@@ -158,8 +158,7 @@ class Allocator:
     ``TOKENS`` (default): keep each head's top ``allocate`` tokens. ``PAGES``: ``allocate`` gets page scores (the
     max over each page's tokens), pages held and a budget in pages, returns pages, and whole pages are kept or
     evicted. ``TAIL_SUMMARY``: a head that evicts spends the last of its counted slots on one new entry that
-    summarises its evicted tail, which ``summarize`` computes.
-    """
+    summarises its evicted tail, which ``summarize`` computes."""
 
     strategy: ClassVar[str] = "tokens"
 

@@ -28,6 +28,11 @@ class Reconstruction(Source):
 
 
 @dataclass(frozen=True)
+class Question(Source):
+    """The question's queries alone in the window, read apart from the context (``observation.reads_question``)."""
+
+
+@dataclass(frozen=True)
 class ContextTokens(Source):
     """The token id of every held entry: ``Observation.token_ids`` [B, Hkv, S]."""
 

@@ -1,0 +1,96 @@
+"""KVCompose (https://arxiv.org/abs/2509.05165): composite tokens, one rank-aligned budget per layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Allocator, Observation, pool_groups, pooled_rank, protect, register_allocator, register_scorer
+from .kvzip import GlobalTopK, KVzip
+from .tova import _layer_mean as mean_by_position  # TOVA's head mean, heads matched by position
+
+_AGGREGATES = ("mean", "max")
+
+
+@register_scorer("kvcompose")
+@dataclass
+class KVCompose(KVzip):
+    """The attention the context's second reading pays each context token. The second reading is KVzip's context
+    reconstruction, whose plumbing this inherits (with no instruction and no sinks by default, as kvpress reads
+    the context alone again): the runtime prefills it on top of the context and drops it after compression. Per
+    query head the ``agg_task`` ("max" or "mean") over its queries, then the ``agg_group`` over each GQA group;
+    optionally x ||v|| (``add_v_norm``); plus the mean over the layer's KV heads of the same token's score
+    (``add_mean_across_heads``, a stabiliser). Pair with the ``kvcompose`` allocator."""
+
+    n_sink: int = 0
+    agg_task: str = "max"
+    agg_group: str = "mean"
+    add_v_norm: bool = False
+    add_mean_across_heads: bool = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.agg_task not in _AGGREGATES or self.agg_group not in _AGGREGATES:
+            raise ValueError(f"agg_task and agg_group must be 'mean' or 'max', got {self.agg_task!r}, "
+                             f"{self.agg_group!r}")
+
+    def score_per_query_head(self, obs: Observation):
+        return None  # the head mean mixes query heads' scores
+
+    def score(self, obs: Observation):
+        B, Hkv, S, _ = obs.keys.shape
+        agg = torch.zeros(B, obs.queries.shape[1], S, device=obs.keys.device)
+        for queries in obs.query_blocks(self.block):
+            attn = obs.window_attention(queries)  # [B, Hq, w, S]
+            agg = torch.maximum(agg, attn.amax(2)) if self.agg_task == "max" else agg + attn.sum(2)
+        if self.agg_task == "mean":
+            agg = agg / (obs.query_positions >= 0).sum(-1).clamp_min(1)[:, None, None]
+        scores = pool_groups(agg, Hkv, self.agg_group)
+        if self.add_v_norm:
+            scores = scores * obs.values.float().norm(dim=-1)
+        if self.add_mean_across_heads:
+            scores = scores + mean_by_position(scores.masked_fill(~obs.valid, 0.0), obs)
+        first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
+        scores = scores.masked_fill(obs.positions >= first[:, None, None], float("-inf"))  # the second reading's own
+        return protect(scores, obs.positions < self.n_sink)
+
+
+@register_allocator("kvcompose")
+@dataclass
+class KVComposeAllocator(Allocator):
+    """Each head's scores sorted descending give a curve c_{l,h,r} (r = rank). ``structured``: the layer's
+    composite curve C_{l,r} = ``agg_head`` over its heads of c_{l,h,r} (layer 0's replaced by the max over layers,
+    so it never gets the least); the budget's top (layer, rank) entries of C give layer l its count m_l, and every
+    head of the layer keeps its own top m_l ("composite tokens": sum_l m_l * Hkv = budget, rectangular per layer).
+    Unstructured: the top over every (layer, head, rank) of c, i.e. one global top-k (ragged per head). Ranks below
+    ``keep_token_lower_bound`` (structured: below at least 1) are kept first.
+
+    Inferred: kvpress floors every layer at one token on top of its budget; here that floor comes out of it."""
+
+    structured: bool = True
+    agg_head: str = "mean"
+    keep_token_lower_bound: int = 0
+
+    def __post_init__(self):
+        if self.agg_head not in _AGGREGATES or self.keep_token_lower_bound < 0:
+            raise ValueError(f"agg_head must be 'mean' or 'max' and keep_token_lower_bound >= 0, got "
+                             f"{self.agg_head!r}, {self.keep_token_lower_bound}")
+
+    def allocate(self, scores, lengths, budget):
+        L, B, Hkv, S = scores.shape
+        curves = scores.sort(-1, descending=True).values  # -inf past each head's length
+        held = curves > float("-inf")
+        floor = max(self.keep_token_lower_bound, 1 if self.structured else 0)
+        boost = 1e9 * (torch.arange(S, device=scores.device) < floor)
+        if not self.structured:
+            return GlobalTopK().allocate(curves + boost, lengths, budget)
+        if self.agg_head == "mean":  # [L, B, S], over the heads that hold rank r
+            composite = curves.masked_fill(~held, 0.0).sum(2) / held.sum(2).clamp_min(1)
+        else:
+            composite = curves.amax(2)
+        composite = composite + boost
+        composite[0] = composite.amax(0)
+        composite = composite.masked_fill(~held.any(2), float("-inf")).permute(1, 0, 2)  # [B, L, S]
+        chosen = (pooled_rank(composite).view(B, L, S) < (budget // Hkv)[:, None, None]) & (composite > float("-inf"))
+        return chosen.sum(-1).T[..., None].expand(L, B, Hkv).minimum(lengths.long())

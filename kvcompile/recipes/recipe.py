@@ -1,0 +1,73 @@
+"""The ``Recipe`` record: which scorer and allocator, with which parameters, reproduce a method, and on what
+evidence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..methods import ALLOCATORS, SCORERS
+from ..schedule import DecodeSchedule
+
+PROVENANCE = {  # the strongest evidence a recipe rests on
+    "official-code": "the method's official implementation was read",
+    "paper": "the full paper was read",
+    "abstract": "the paper itself was not read: its abstract, at most a third-party summary; details inferred",
+    "peer": "reproduces a peer library's implementation (kvpress, awslabs/keys_values)",
+    "control": "a baseline or control, no paper",
+    "custom": "not a built-in recipe: no claim made",
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    scorer: str | None  # None: nothing is ever evicted
+    allocator: str = "uniform"
+    scorer_args: dict = field(default_factory=dict)
+    allocator_args: dict = field(default_factory=dict)
+    version: int = 1
+    source: str = ""
+    query_aware: bool = False
+    decode: dict | None = None  # ``schedule.DecodeSchedule`` fields: compress while generating (None: never)
+    provenance: str = "custom"  # a key of PROVENANCE
+    inferred: str = ""  # what the recipe fills in beyond its evidence ("" = nothing)
+    prefill_chunk: int | None = None  # prefill this many tokens at a time (``apply``'s default for this recipe)
+
+    def __post_init__(self):
+        if self.provenance not in PROVENANCE:
+            raise ValueError(f"recipe {self.name!r}: provenance {self.provenance!r} is not one of {list(PROVENANCE)}")
+        if self.scorer is not None and self.scorer not in SCORERS:
+            raise ValueError(f"recipe {self.name!r}: unknown scorer {self.scorer!r}; known: {sorted(SCORERS)}")
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"recipe {self.name!r}: unknown allocator {self.allocator!r}; known: {sorted(ALLOCATORS)}")
+        if self.decode is not None:
+            try:
+                DecodeSchedule(**self.decode)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"recipe {self.name!r}: bad decode schedule: {e}") from e
+
+    def __str__(self) -> str:
+        decode = f" + decode {self.decode['policy']}" if self.decode else ""
+        inferred = f"; inferred: {self.inferred}" if self.inferred else ""
+        methods = f"{self.scorer or 'nothing evicted'} + {self.allocator}{decode}"
+        return f"{self.tag}: {methods} ({self.provenance}{inferred})"
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the behaviour fields and the code they run (``recipes.fingerprint``): it moves with any
+        change of behaviour, so a test can insist that the version moves too."""
+        from .fingerprint import fingerprint  # that module reads RECIPES, defined below
+
+        return fingerprint(self)
+
+    def build(self):
+        """(scorer, allocator) instances; bad parameters raise here, before the model is touched."""
+        try:
+            scorer = SCORERS[self.scorer](**self.scorer_args) if self.scorer else None
+            return scorer, ALLOCATORS[self.allocator](**self.allocator_args)
+        except TypeError as e:  # an unknown or missing parameter name
+            raise ValueError(f"recipe {self.name!r}: {e}") from e
