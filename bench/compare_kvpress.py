@@ -12,7 +12,15 @@ environments, joined by JSON files:
 3. ``python bench/compare_kvpress.py kvcompile`` (kvcompile env): the matching recipes on the same prompts
    (``kvcompile.eval.sweep``), then the merged table ``bench/results/kvpress.{json,md}``.
 
-Step 2 imports nothing from kvcompile, so it runs where kvcompile cannot be installed.
+Step 2 imports nothing from kvcompile, so it runs where kvcompile cannot be installed. Steps 2 and 3 are
+independent until the merge: ``--presses`` runs a subset of ``PAIRS`` (by kvpress name; the cells land in the same
+raw file, replacing earlier ones of that press and budget), and ``python bench/compare_kvpress.py merge`` writes the
+table from the two raw files (step 3 also writes it when step 2's file exists). Set ``HF_HUB_OFFLINE=1`` for step 2
+where the hub cannot be reached, so a press that downloads (QFilter) fails at once instead of retrying.
+
+kvpress presses that need attention weights (ObservedAttention) run with eager attention during the context
+prefill, as kvpress requires; everything else runs with sdpa. Recipes with a ``prefill_chunk`` (``block+keydiff``)
+are run prompt by prompt from an empty cache, since ``sweep.run`` forks one shared unchunked prefill.
 """
 
 from __future__ import annotations
@@ -29,7 +37,28 @@ PAIRS = [  # (kvpress press, kvcompile recipe); kvpress hyperparameters are set 
     ("AdaKV(SnapKV)", "adakv-snapkv"),
     ("ExpectedAttention", "expected-attention"),
     ("TOVA", "tova"),
+    ("PyramidKV", "pyramidkv"),
+    ("KeyDiff", "keydiff"),
+    ("ObservedAttention", "observed-attention"),
+    ("LagKV", "lagkv"),
+    ("NonCausalAttn", "noncausal-attention"),
+    ("LeverageScore", "leverage-score"),
+    ("CURPress", "cur"),
+    ("CapPress", "cappress"),
+    ("QFilter", "qfilter"),
+    ("Compactor", "compactor"),
+    ("CriticalKV(SnapKV)", "criticalkv"),
+    ("KVzip", "kvzip"),
+    ("KVCompose", "kvcompose"),
+    ("ChunkKV(SnapKV)", "chunkkv+snapkv"),
+    ("EntropyGatedChunkKV(SnapKV)", "entropy-gated-chunkkv+snapkv"),
+    ("ChunkPress(SnapKV)", "chunk+snapkv"),
+    ("BlockPress(KeyDiff)", "block+keydiff"),
+    ("AdaKV(Knorm)", "adakv+knorm"),
 ]
+# FinchPress is left out: it ranks the context by the question (query-aware), and this protocol compresses the
+# context before the question is read.
+EAGER = {"ObservedAttention"}  # kvpress reads the attention weights, which only eager attention returns
 DEFAULT_DIR = Path("/tmp/kvc/kvpress")
 
 
@@ -66,17 +95,71 @@ def _prompts(args) -> None:
 
 
 def _press(name: str, ratio: float):
-    from kvpress import (AdaKVPress, ExpectedAttentionPress, KnormPress, SnapKVPress, StreamingLLMPress,
-                         TOVAPress)
+    """The kvpress press for ``name`` at ``compression_ratio=ratio``, with the kvcompile recipe's hyperparameters
+    (``kvcompile.get_recipe(name).scorer_args`` / ``allocator_args``); kvpress defaults where they already agree."""
+    import kvpress as kp
 
+    snap = lambda: kp.SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)  # noqa: E731
     return {
-        "StreamingLLM": lambda: StreamingLLMPress(compression_ratio=ratio, n_sink=4),
-        "Knorm": lambda: KnormPress(compression_ratio=ratio),
-        "SnapKV": lambda: SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7),
-        "AdaKV(SnapKV)": lambda: AdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=32, kernel_size=7)),
-        "ExpectedAttention": lambda: ExpectedAttentionPress(compression_ratio=ratio),
-        "TOVA": lambda: TOVAPress(compression_ratio=ratio),
+        "StreamingLLM": lambda: kp.StreamingLLMPress(compression_ratio=ratio, n_sink=4),
+        "Knorm": lambda: kp.KnormPress(compression_ratio=ratio),
+        "SnapKV": snap,
+        "AdaKV(SnapKV)": lambda: kp.AdaKVPress(snap(), alpha_safeguard=0.2),
+        "ExpectedAttention": lambda: kp.ExpectedAttentionPress(
+            compression_ratio=ratio, n_future_positions=512, n_sink=4, use_covariance=True, use_vnorm=True,
+            epsilon=0.0),
+        "TOVA": lambda: kp.TOVAPress(compression_ratio=ratio),
+        "PyramidKV": lambda: kp.PyramidKVPress(compression_ratio=ratio, window_size=32, kernel_size=7, beta=20),
+        "KeyDiff": lambda: kp.KeyDiffPress(compression_ratio=ratio),
+        "ObservedAttention": lambda: kp.ObservedAttentionPress(compression_ratio=ratio),
+        "LagKV": lambda: kp.LagKVPress(compression_ratio=ratio, n_sink=4, lag_size=128, cross_scoring=False),
+        "NonCausalAttn": lambda: kp.NonCausalAttnPress(compression_ratio=ratio, chunk_size=256),
+        "LeverageScore": lambda: kp.LeverageScorePress(compression_ratio=ratio, sketch_dimension=48),
+        "CURPress": lambda: kp.CURPress(compression_ratio=ratio, num_sinks=4, leverage_type="kv_product",
+                                        use_random_leverage=False, use_local_approximation=True,
+                                        local_window_size=16),
+        "CapPress": lambda: kp.CapPress(compression_ratio=ratio, tau=5.0, n_future_positions=512, n_sink=4,
+                                        epsilon=1e-6),
+        "QFilter": lambda: kp.QFilterPress(compression_ratio=ratio),  # downloads published filters from the hub
+        "Compactor": lambda: kp.CompactorPress(compression_ratio=ratio, sink_size_start=8, sink_size_end=4,
+                                               chunk_size=256, sketch_dimension=48, blending=0.35),
+        "CriticalKV(SnapKV)": lambda: kp.CriticalKVPress(snap(), epsilon=1e-4, first_stage_ratio=0.5),
+        "KVzip": lambda: kp.KVzipPress(compression_ratio=ratio, n_sink=4),
+        "KVCompose": lambda: kp.KVComposePress(compression_ratio=ratio, structured=True, agg_task="max",
+                                               agg_group="mean", agg_head="mean", add_v_norm=False,
+                                               add_mean_across_heads=True, keep_token_lower_bound=0),
+        "ChunkKV(SnapKV)": lambda: kp.ChunkKVPress(snap(), chunk_length=20),
+        "EntropyGatedChunkKV(SnapKV)": lambda: kp.EntropyGatedChunkKVPress(snap(), chunk_length=10,
+                                                                           low_entropy_chunk_length=4),
+        "ChunkPress(SnapKV)": lambda: kp.ChunkPress(snap(), chunk_length=1024),
+        "BlockPress(KeyDiff)": lambda: kp.BlockPress(kp.KeyDiffPress(compression_ratio=ratio), block_size=128),
+        "AdaKV(Knorm)": lambda: kp.AdaKVPress(kp.KnormPress(compression_ratio=ratio), alpha_safeguard=0.2),
     }[name]()
+
+
+def _selected(args) -> list[tuple[str, str]]:
+    if not args.presses:
+        return PAIRS
+    names = args.presses.split(",")
+    unknown = [n for n in names if n not in dict(PAIRS)]
+    if unknown:
+        raise SystemExit(f"unknown presses {unknown}; known: {[p for p, _ in PAIRS]}")
+    return [p for p in PAIRS if p[0] in names]
+
+
+def _update(path: Path, key: str, new: list, same: dict) -> list:
+    """Cells of ``path`` (if it holds a run on the same prompts) with ``new`` replacing those of the same method
+    and budget; written back to ``path``."""
+    old = json.loads(path.read_text()) if path.exists() else {}
+    cells = old.get(key, []) if all(old.get(k) == v for k, v in same.items()) else []
+    done = {(c["press"], c["budget"]) for c in new}
+    cells = [c for c in cells if (c["press"], c["budget"]) not in done] + new
+    path.write_text(json.dumps({**old, **same, key: cells}))
+    return cells
+
+
+def _prompt_key(data: dict) -> dict:
+    return {k: data[k] for k in ("model", "length", "seed", "n_samples", "tasks")}
 
 
 def _held_bytes(model, cache) -> int:
@@ -93,6 +176,7 @@ def _held_bytes(model, cache) -> int:
 
 
 def _kvpress(args) -> None:
+    import contextlib
     import copy
 
     import torch
@@ -104,18 +188,24 @@ def _kvpress(args) -> None:
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
 
-    def run(prompt, press):
+    @contextlib.contextmanager
+    def attention(implementation):
+        saved = model.config._attn_implementation
+        model.config._attn_implementation = implementation  # read at every forward
+        try:
+            yield
+        finally:
+            model.config._attn_implementation = saved
+
+    def run(prompt, press, implementation="sdpa"):
         """(answer text, reference logits [T, V], bytes held, seconds) for one prompt under ``press`` (None: full)."""
         ctx = torch.tensor([prompt["context"]])
         n = ctx.shape[1]
         t0 = time.perf_counter()
         cache = DynamicCache()
         with torch.no_grad():
-            if press is None:
-                model.model(ctx, past_key_values=cache)
-            else:
-                with press(model):
-                    model.model(ctx, past_key_values=cache)
+            with press(model) if press is not None else contextlib.nullcontext(), attention(implementation):
+                model.model(input_ids=ctx, past_key_values=cache)  # by keyword, as kvpress's pipeline (KVzip reads it)
             held = _held_bytes(model, cache)
             ref_cache = copy.deepcopy(cache)
             pos = torch.arange(n, n + len(prompt["question"]))[None]
@@ -131,16 +221,18 @@ def _kvpress(args) -> None:
             logits = model(torch.tensor([ref]), past_key_values=ref_cache, position_ids=pos).logits[0, :-1]
         return tok.decode(tokens, skip_special_tokens=True), logits, held, seconds
 
-    results = []
-    full = {}
-    for i, prompt in enumerate(data["prompts"]):
-        full[i] = run(prompt, None)
-    cells = [("full", 1.0)] + [(name, b) for name, _ in PAIRS for b in args.budgets]
+    t_start = time.perf_counter()
+    full = {i: run(prompt, None) for i, prompt in enumerate(data["prompts"])}
+    cells = [("full", 1.0)] + [(name, b) for b in args.budgets for name, _ in _selected(args)]  # a budget at a time
+    key = {"prompts": _prompt_key(data), "kvpress": _version("kvpress"), "transformers": _version("transformers")}
     for name, budget in cells:
-        cell = {"press": name, "budget": budget, "scores": [], "kl": [], "top1": [], "held": [], "seconds": []}
+        cell = {"press": name, "budget": budget, "scores": [], "kl": [], "top1": [], "held": [], "seconds": [],
+                "answers": []}
         try:
             for i, prompt in enumerate(data["prompts"]):
-                text, logits, held, seconds = full[i] if name == "full" else run(prompt, _press(name, 1 - budget))
+                implementation = "eager" if name in EAGER else "sdpa"
+                text, logits, held, seconds = (full[i] if name == "full" else
+                                               run(prompt, _press(name, 1 - budget), implementation))
                 lp_full, lp = torch.log_softmax(full[i][1].float(), -1), torch.log_softmax(logits.float(), -1)
                 cell["kl"] += (lp_full.exp() * (lp_full - lp)).sum(-1).clamp_min(0).tolist()
                 cell["top1"] += (lp_full.argmax(-1) == lp.argmax(-1)).float().tolist()
@@ -148,13 +240,12 @@ def _kvpress(args) -> None:
                 cell["scores"].append(sum(a.lower() in pred for a in prompt["answers"]) / len(prompt["answers"]))
                 cell["held"].append(held)
                 cell["seconds"].append(seconds)
+                cell["answers"].append(text)
         except Exception as e:  # noqa: BLE001 - a press that fails is a result
-            cell["error"] = f"{type(e).__name__}: {e}"
-        results.append(cell)
-        print(name, budget, cell.get("error") or sum(cell["scores"]) / max(len(cell["scores"]), 1), flush=True)
-    (args.dir / "kvpress_raw.json").write_text(json.dumps({"kvpress": _version("kvpress"),
-                                                          "transformers": _version("transformers"),
-                                                          "cells": results}))
+            cell["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        _update(args.dir / "kvpress_raw.json", "cells", [cell], key)  # after every cell: a cut run keeps its cells
+        print(name, budget, cell.get("error") or sum(cell["scores"]) / max(len(cell["scores"]), 1),
+              f"{time.perf_counter() - t_start:.0f}s", flush=True)
 
 
 def _version(package: str) -> str:
@@ -167,51 +258,128 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
+def _separate(cm, tok, recipe, budgets, data) -> list[dict]:
+    """Cells of ``recipe`` run prompt by prompt from an empty cache (prefill, compress, answer; KL teacher-forced on
+    the reference), for recipes the shared-prefill sweep cannot run as they are (``prefill_chunk``)."""
+    import torch
+
+    import kvcompile
+    from kvcompile.eval.decoding import greedy, ids_tensor, read_question
+    from kvcompile.eval.fidelity import next_token_metrics, summarize
+    from kvcompile.eval.synthetic import string_match_all
+
+    eos = {t for t in (tok.eos_token_id, getattr(cm.generation_config, "eos_token_id", None)) if isinstance(t, int)}
+    refs = []
+    for prompt in data["prompts"]:  # full-budget logits on the reference, as the sweep's full cell computes them
+        cm.reset()
+        with torch.no_grad():
+            cm.prefill(ids_tensor(prompt["context"], cm.device), logits="last")
+            refs.append(cm.prefill(ids_tensor(prompt["reference"], cm.device), compress=False)[0, :-1])
+    cells = []
+    for budget in budgets:
+        model = kvcompile.apply(cm, budget=budget, recipe=recipe)
+        cell = {"press": recipe, "budget": budget, "n": 0, "score": 0.0, "held": 0.0, "wall": 0.0, "error": None}
+        parts = []
+        try:
+            for prompt, ref in zip(data["prompts"], refs):
+                t0 = time.perf_counter()
+                model.reset()
+                with torch.no_grad():
+                    model.prefill(ids_tensor(prompt["context"], model.device), logits="last")
+                stats = model.cache_stats()
+                probe = model.fork()
+                tokens = greedy(model, read_question(model, prompt["question"]), prompt["max_new_tokens"],
+                                eos_ids=eos)
+                cell["wall"] += time.perf_counter() - t0
+                with torch.no_grad():
+                    logits = probe.prefill(ids_tensor(prompt["reference"], probe.device), compress=False)[0, :-1]
+                parts.append(next_token_metrics(ref, logits, torch.tensor(prompt["reference"][1:])))
+                cell["score"] += string_match_all(prompt["answers"], tok.decode(tokens, skip_special_tokens=True))
+                cell["held"] += stats["bytes_held"]
+                cell["n"] += 1
+        except Exception as e:  # noqa: BLE001
+            cell["error"] = f"{type(e).__name__}: {e}"
+        if parts:
+            m = summarize(parts)
+            cell["kl"], cell["top1"] = m["kl_mean"] * cell["n"], m["top1"] * cell["n"]
+        cell["prefill_included"] = True
+        cells.append(cell)
+    return cells
+
+
 def _kvcompile(args) -> None:
     import kvcompile
     from kvcompile.eval import sweep
 
     data = json.loads((args.dir / "prompts.json").read_text())
-    raw = json.loads((args.dir / "kvpress_raw.json").read_text())
     model, tok = kvcompile.load_model(data["model"])
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
-    known = kvcompile.recipes()
-    recipes = [r for _, r in PAIRS if r in known]
+    pairs = _selected(args)
+    recipes, chunked, missing = [], [], []
+    for _, name in pairs:
+        try:
+            (chunked if kvcompile.get_recipe(name).prefill_chunk else recipes).append(name)
+        except (KeyError, ValueError):
+            missing.append(name)
+    t0 = time.perf_counter()
     res = sweep.run(cm, tok, recipes, args.budgets, data["tasks"].split(","), n_samples=data["n_samples"],
                     length=data["length"], seed=data["seed"], kl=True)
     contexts = max(res["timing"]["contexts"], 1)
     prefill = res["timing"]["shared_prefill_s"] / contexts
     ours = {}
     for r in res["rows"]:  # aggregate over tasks, weighted by samples
-        o = ours.setdefault((r["recipe"], float(r["budget"])), {"n": 0, "score": 0.0, "held": 0.0, "kl": 0.0,
-                                                                  "top1": 0.0, "wall": 0.0, "error": r["error"]})
+        o = ours.setdefault((r["recipe"], float(r["budget"])), {
+            "press": r["recipe"], "budget": float(r["budget"]), "n": 0, "score": 0.0, "held": 0.0, "kl": 0.0,
+            "top1": 0.0, "wall": 0.0, "error": r["error"], "prefill_s": prefill})
         if r["n"]:
             o["n"] += r["n"]
             for key, col in (("score", "score"), ("held", "bytes_held_mean"), ("kl", "kl_mean"), ("top1", "top1")):
                 o[key] += r[col] * r["n"]
             o["wall"] += r["wall_s"]
+    cells = list(ours.values())
+    for name in chunked:
+        cells += _separate(cm, tok, name, args.budgets, data)
+    cells += [{"press": name, "budget": b, "n": 0, "error": "no such recipe in kvcompile"} for name in missing
+              for b in args.budgets]
+    print(f"kvcompile cells: {time.perf_counter() - t0:.0f}s", flush=True)
+    _update(args.dir / "kvcompile_raw.json", "cells", cells,
+            {"prompts": _prompt_key(data), "kvcompile": _version("kvcompile")})
+    if (args.dir / "kvpress_raw.json").exists():
+        _merge(args)
+
+
+def _merge(args) -> None:
+    data = json.loads((args.dir / "prompts.json").read_text())
+    raw = json.loads((args.dir / "kvpress_raw.json").read_text())
+    ours = json.loads((args.dir / "kvcompile_raw.json").read_text())
+    for r in (raw, ours):
+        if r["prompts"] != _prompt_key(data):
+            raise SystemExit(f"raw results are for other prompts: {r['prompts']} vs {_prompt_key(data)}")
     rows = []
     for press, recipe in [("full", "full")] + PAIRS:
         for budget in [1.0] if press == "full" else args.budgets:
             kp = next((c for c in raw["cells"] if c["press"] == press and c["budget"] == budget), None)
-            o = ours.get((recipe, budget))
+            o = next((c for c in ours["cells"] if c["press"] == recipe and c["budget"] == budget), None)
+            if kp is None and o is None:
+                continue
             row = {"method": press, "recipe": recipe, "budget": budget}
             if kp:
                 row.update(kvpress_score=_mean(kp["scores"]), kvpress_kl=_mean(kp["kl"]), kvpress_top1=_mean(kp["top1"]),
                            kvpress_bytes_held=_mean(kp["held"]), kvpress_s_per_prompt=_mean(kp["seconds"]),
-                           kvpress_error=kp.get("error"))
+                           kvpress_error=kp.get("error"), kvpress_scores=kp["scores"], kvpress_answers=kp.get("answers"))
             if o and o["n"]:
+                prefill = 0.0 if o.get("prefill_included") else o["prefill_s"]
                 row.update(kvcompile_score=o["score"] / o["n"], kvcompile_kl=o["kl"] / o["n"],
                            kvcompile_top1=o["top1"] / o["n"], kvcompile_bytes_held=o["held"] / o["n"],
                            kvcompile_s_per_prompt=o["wall"] / o["n"] + prefill, kvcompile_error=o["error"])
-            elif recipe not in known and press != "full":
-                row["kvcompile_error"] = f"no recipe {recipe!r} in kvcompile.recipes()"
+            elif o:
+                row["kvcompile_error"] = o["error"]
             rows.append(row)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": data["model"], "length": data["length"], "tasks": data["tasks"], "n_samples": data["n_samples"],
-            "kvpress": raw["kvpress"], "transformers_for_kvpress": raw["transformers"],
-            "kvcompile_shared_prefill_s": prefill}
+            "seed": data["seed"], "budgets": args.budgets, "kvpress": raw["kvpress"],
+            "transformers_for_kvpress": raw["transformers"], "kvcompile": ours["kvcompile"]}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"kvcompile vs kvpress {raw['kvpress']} on {data['model']}, {data['tasks']} @ {data['length']} tokens, "
@@ -222,7 +390,7 @@ def _kvcompile(args) -> None:
              "| s kvc | s kvp | note |", "|" + "---|" * 13]
     for r in rows:
         mib = lambda v: None if v is None else v / 2**20  # noqa: E731
-        note = "; ".join(e for e in (r.get("kvcompile_error"), r.get("kvpress_error")) if e)
+        note = "; ".join(e for e in (r.get("kvcompile_error"), r.get("kvpress_error")) if e).replace("|", "/")
         lines.append(
             f"| {r['method']} | {r['budget']:g} | {fmt(r.get('kvcompile_score'), '.2f')} | {fmt(r.get('kvpress_score'), '.2f')}"
             f" | {fmt(r.get('kvcompile_kl'), '.3f')} | {fmt(r.get('kvpress_kl'), '.3f')} | {fmt(r.get('kvcompile_top1'), '.2f')}"
@@ -235,7 +403,7 @@ def _kvcompile(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["prompts", "kvpress", "kvcompile"])
+    parser.add_argument("step", choices=["prompts", "kvpress", "kvcompile", "merge"])
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="where the steps exchange files")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tasks", default="niah_single_1,passkey")
@@ -243,11 +411,12 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budgets", default="0.5,0.25,0.1")
+    parser.add_argument("--presses", default="", help="comma-separated kvpress names from PAIRS (default: all)")
     parser.add_argument("--out", default="bench/results/kvpress")
     args = parser.parse_args()
     args.budgets = [float(b) for b in args.budgets.split(",")]
     args.dir.mkdir(parents=True, exist_ok=True)
-    {"prompts": _prompts, "kvpress": _kvpress, "kvcompile": _kvcompile}[args.step](args)
+    {"prompts": _prompts, "kvpress": _kvpress, "kvcompile": _kvcompile, "merge": _merge}[args.step](args)
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def load(path, *, device: str = "cpu") -> CompressedModel:
     meta = _manifest(folder)
     try:
         spec = ModelSpec(**(meta["spec"] | {"dtype": getattr(torch, meta["spec"]["dtype"]),
-                                            "windows": tuple(meta["spec"]["windows"])}))
+                                            "windows": tuple(meta["spec"]["windows"]),
+                                            "rotary": tuple(map(tuple, meta["spec"].get("rotary", ())))}))
         recipe, budget = Recipe(**meta["recipe"]), Budget(**meta["budget"])
     except (TypeError, KeyError, AttributeError, ValueError) as e:
         raise ValueError(f"{folder / 'kvcompile.json'}: spec, recipe or budget is malformed ({e})") from e

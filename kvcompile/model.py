@@ -15,7 +15,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from . import checks, observation
+from . import checks, observation, rerotation
 from .budget import Budget
 from .cache import PagedKVCache
 from .compress import compress as compress_cache
@@ -49,6 +49,7 @@ class CompressedModel(Steps, nn.Module):
         self.source = source  # the model applied to: its weights are this model's parameters
         self.scorer, self.allocator = recipe.build()
         self.allocator.check(spec.num_layers)
+        rerotation.check(spec, recipe, prefill_chunk)
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config
         sources = self.scorer.sources() if self.scorer else ()
@@ -217,6 +218,8 @@ class CompressedModel(Steps, nn.Module):
             return
         with self.observing() as cache:
             compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers)
+            if self.recipe.rerotate_keys:
+                rerotation.rerotate(cache, self.spec)
         self._pending = []
 
     @contextlib.contextmanager

@@ -28,7 +28,8 @@ class ModelSpec:
 
     ``windows[l]`` is layer l's sliding window (0 = full attention). ``hf_causal_lm`` marks a transformers model,
     whose SDPA mask is known to be causal + padding (+ sliding window) and can be rebuilt from positions.
-    ``dtype``: the weights' dtype at capture.
+    ``dtype``: the weights' dtype at capture. ``rotary[l]``: layer l's RoPE inverse frequencies, read from the
+    model's rotary buffers (empty when the model has none the spec can read): key re-rotation needs them.
     """
 
     num_layers: int
@@ -39,6 +40,7 @@ class ModelSpec:
     windows: tuple[int, ...]
     max_positions: int | None
     hf_causal_lm: bool
+    rotary: tuple[tuple[float, ...], ...] = ()
 
     def layers(self, scales, weights=None) -> tuple[LayerSpec, ...]:
         """One ``LayerSpec`` per layer, with the softmax scales the graph uses and the weights it found
@@ -83,4 +85,16 @@ class ModelSpec:
             max_pos = getattr(cfg, "max_positions", None)
         if n_heads % n_kv:
             raise ValueError(f"{n_heads} query heads is not a multiple of {n_kv} KV heads")
-        return cls(n_layers, n_heads, n_kv, head_dim, dtype, windows, max_pos, hf)
+        rotary = _rotary(model, getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers) if hf else ()
+        return cls(n_layers, n_heads, n_kv, head_dim, dtype, windows, max_pos, hf, rotary)
+
+
+def _rotary(model: nn.Module, layer_types) -> tuple[tuple[float, ...], ...]:
+    """Per layer, the ``inv_freq`` buffer of the model's rotary embedding: ``<layer type>_inv_freq`` where the model
+    keeps one per layer type (Gemma-3's local and global RoPE), else the one ``inv_freq``; () when not found."""
+    found = {name.rsplit(".", 1)[-1]: b for name, b in model.named_buffers() if name.endswith("inv_freq")
+             and "original" not in name.rsplit(".", 1)[-1]}
+    per_layer = [found.get(f"{t}_inv_freq", found.get("inv_freq")) for t in layer_types]
+    if any(f is None for f in per_layer):
+        return ()
+    return tuple(tuple(float(x) for x in f.tolist()) for f in per_layer)

@@ -154,7 +154,7 @@ def test_compositions_by_name_version_and_errors():
 
 
 COMPOSED = ["chunkkv+snapkv", "entropy-gated-chunkkv+snapkv", "chunk+snapkv", "block+keydiff", "decoding+knorm",
-            "chunkkv+adakv-snapkv", "adakv+knorm"]
+            "chunkkv+adakv-snapkv", "adakv+knorm", "key-rerotation+knorm"]
 
 
 @pytest.mark.parametrize("recipe", COMPOSED)

@@ -208,12 +208,20 @@ class PagedKVCache(PagePool, ByteAccounting, nn.Module):
         for pool in (self.k_pages.view(-1, D), self.v_pages.view(-1, D), self.page_pos.view(-1, 1)):
             pool.index_fill_(0, rows, 0)
 
-    def update_values(self, layer: int, fn) -> None:
-        """Replace the values layer ``layer`` holds, [n, D], by ``fn(values)`` (a calibration's perturbation)."""
-        _, values, _, valid = self.dense(layer)
-        index = torch.arange(values.shape[2], device=self.device).expand(valid.shape)
+    def rewrite(self, layer: int, keys: Tensor | None = None, values: Tensor | None = None,
+                positions: Tensor | None = None) -> None:
+        """Write back, in place, what layer ``layer`` holds from dense views shaped as ``dense``'s (keys, values
+        [B, Hkv, S, D], positions [B, Hkv, S]); ``None`` leaves that part as it is. Entries past a head's length are
+        ignored (a calibration's perturbation, key re-rotation)."""
+        lengths = self.lengths[layer]
+        S = next(x for x in (keys, values, positions) if x is not None).shape[2]
+        index = torch.arange(S, device=self.device).expand(*lengths.shape, S)
+        valid = index < lengths[..., None]
         rows = reference.rows_of(self.page_table[layer], index, self.page_size)[valid]
-        self.v_pages.view(-1, self.head_dim).index_copy_(0, rows, fn(values[valid]).to(self.dtype))
+        for pool, new in ((self.k_pages, keys), (self.v_pages, values), (self.page_pos, positions)):
+            if new is not None:
+                flat = pool.view(-1, self.head_dim) if pool.dim() == 3 else pool.view(-1)
+                flat.index_copy_(0, rows, new[valid].to(pool.dtype))
 
     # ------------------------------------------------------------------ reads
     def dense(self, layer: int):

@@ -48,4 +48,6 @@ def _perturb_values(cache, layer: int, noise: float, generator: torch.Generator)
         rms = held.float().pow(2).mean().sqrt()
         return held + torch.randn(held.shape, generator=generator, device=held.device) * noise * rms
 
-    cache.update_values(layer, perturb)
+    _, values, _, valid = cache.dense(layer)
+    values[valid] = perturb(values[valid])
+    cache.rewrite(layer, values=values)

@@ -140,8 +140,8 @@ _BUILTIN = [
     Recipe("finch", "finch", scorer_args={"normalize_scores": True, "window": 8192}, query_aware=True,
            source="https://doi.org/10.1162/tacl_a_00716", provenance="peer",
            inferred="the question is generate's input_ids after context_ids (no delimiter token), at most its last "
-                    "8192 tokens; keys are not re-rotated (kvpress: rerotate_keys=True): positions stay original, "
-                    "and ragged heads would need a position offset each"),
+                    "8192 tokens; keys keep their positions (kvpress: rerotate_keys=True, which is "
+                    "'key-rerotation+finch' here)"),
     Recipe("kvcompose", "kvcompose", "kvcompose",
            {"agg_task": "max", "agg_group": "mean", "add_v_norm": False, "add_mean_across_heads": True,
             "window": 8192},

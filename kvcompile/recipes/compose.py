@@ -33,6 +33,10 @@ _WRAPPERS = [  # (role, template)
                        "prompt processing; kvpress BlockPress)", provenance="peer",
                        inferred="real chunked prefill, each 128-token block compressed with what was kept: kvpress "
                                 "simulates it on the keys of one full prefill")),
+    ("rerotate", Recipe("key-rerotation", "snapkv", rerotate_keys=True,
+                        source="kvpress 0.5.5 KeyRerotationPress (FINCH's rerotate_keys)", provenance="peer",
+                        inferred="kept keys moved right before the next query, not to 0..n-1 with the query moved to "
+                                 "n: the same query-key distances, with one query position for ragged heads")),
     ("decode", Recipe("decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
                                                     "args": {"buffer": 256}},
                       source="kvpress 0.5.5 DecodingPress", provenance="peer",
@@ -93,6 +97,8 @@ def _wrap(name: str, base: Recipe, args: dict) -> Recipe:
         fields = {"allocator": w.allocator, "allocator_args": {**w.allocator_args, **args}}
     elif role == "prefill":
         fields = {"prefill_chunk": args.get("block_size", w.prefill_chunk)}
+    elif role == "rerotate":
+        fields = {"rerotate_keys": True}
     elif role == "decode":
         policy_args = {**w.decode["args"], "scorer": base.scorer, "scorer_args": base.scorer_args}
         fields = {"decode": {**w.decode, **args, "args": policy_args}}

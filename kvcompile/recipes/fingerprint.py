@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..methods import ALLOCATORS, SCORERS
 from ..methods.decoding import POLICIES
+from ..rerotation import rerotate
 from . import RECIPES, Recipe
 from .compose import WRAPPERS
 
@@ -40,7 +41,8 @@ def behaviour(recipe: Recipe) -> dict:
     """The fields that decide what a recipe does: not its name, version, source or provenance."""
     fields = {"scorer": recipe.scorer, "allocator": recipe.allocator, "scorer_args": recipe.scorer_args,
               "allocator_args": recipe.allocator_args, "decode": recipe.decode}
-    return fields | ({"prefill_chunk": recipe.prefill_chunk} if recipe.prefill_chunk else {})
+    optional = {"prefill_chunk": recipe.prefill_chunk, "rerotate_keys": recipe.rerotate_keys}
+    return fields | {k: v for k, v in optional.items() if v}  # unset, they leave earlier fingerprints alone
 
 
 def code_roots(recipe: Recipe) -> list[type]:
@@ -49,6 +51,7 @@ def code_roots(recipe: Recipe) -> list[type]:
     roots = [ALLOCATORS[recipe.allocator]]
     roots += [SCORERS[recipe.scorer]] if recipe.scorer else []
     roots += [POLICIES[recipe.decode["policy"]]] if recipe.decode else []
+    roots += [rerotate] if recipe.rerotate_keys else []
     return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args, recipe.decode or {}]) if s in SCORERS]
 
 

@@ -32,6 +32,7 @@ class Recipe:
     provenance: str = "custom"  # a key of PROVENANCE
     inferred: str = ""  # what the recipe fills in beyond its evidence ("" = nothing)
     prefill_chunk: int | None = None  # prefill this many tokens at a time (``apply``'s default for this recipe)
+    rerotate_keys: bool = False  # after compressing, move kept keys to contiguous positions (``kvcompile.rerotation``)
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:
