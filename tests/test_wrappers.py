@@ -117,6 +117,22 @@ def test_chunk_press_scores_each_chunk_alone_and_keeps_an_equal_share(seed):
             assert all(int(i) % 16 >= 12 for i in kept), "the pins of each chunk come first in it"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_composed_is_the_second_press_on_what_the_first_kept(seed):
+    """kvpress's ComposedPress([KnormPress(0.5), SnapKVPress(r)]): SnapKV over KNorm's survivors only."""
+    obs = make_obs(S=40, W=8, seed=seed)
+    snap = {"window": 4, "kernel": 3}
+    scores = SCORERS["composed"](base="snapkv", base_args=snap, first="knorm", keep=0.5).score(obs)[0]
+    first = SCORERS["knorm"]().score(obs)[0]
+    for h in range(2):
+        survivors = top(first[h], 20)
+        alone = dataclasses.replace(obs, valid=obs.valid & torch.isin(torch.arange(40), torch.tensor(sorted(survivors))))
+        then = SCORERS["snapkv"](**snap).score(alone)[0, h].masked_fill(~alone.valid[0, h], float("-inf"))
+        for k in (1, 5, 12, 20):
+            assert top(scores[h], k) == top(then, k), f"seed {seed}, head {h}, k {k}"
+        assert top(scores[h], 30) == survivors | (top(first[h], 30) - survivors), "then the first press's order"
+
+
 def test_per_layer_spends_the_budget_in_kvpress_proportions():
     alloc = ALLOCATORS["per-layer"](compression_ratios=[0.0, 0.5, 0.75])
     lengths = torch.full((3, 1, 2), 100)
@@ -149,12 +165,15 @@ def test_compositions_by_name_version_and_errors():
         kvcompile.get_recipe("snapkv+knorm")
     with pytest.raises(ValueError, match="unknown recipe 'nope'"):
         kvcompile.get_recipe("chunkkv+nope")
+    with pytest.raises(ValueError, match="composed: first must be a registered scorer"):
+        kvcompile.get_recipe("composed+snapkv").build()  # what apply calls first
     with pytest.raises(ValueError, match="needs a recipe that evicts"):
         kvcompile.get_recipe("chunkkv+full")
 
 
 COMPOSED = ["chunkkv+snapkv", "entropy-gated-chunkkv+snapkv", "chunk+snapkv", "block+keydiff", "decoding+knorm",
-            "chunkkv+adakv-snapkv", "adakv+knorm", "key-rerotation+knorm"]
+            "chunkkv+adakv-snapkv", "adakv+knorm", "key-rerotation+knorm",
+            compose("composed", "snapkv", first="knorm", keep=0.5)]
 
 
 @pytest.mark.parametrize("recipe", COMPOSED)
@@ -164,7 +183,7 @@ def test_composed_recipe_holds_its_budget_and_generates(llama_cm, recipe):
     question, _ = left_padded_batch([5, 5], total=5, seed=1)
     cm.prefill(context, mask)
     stats = cm.cache_stats()
-    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == kvcompile.get_recipe(recipe).tag
+    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == cm.recipe.tag
     out = cm.generate(question, context_ids=context, context_mask=mask, max_new_tokens=4, eos_token_id=[])
     assert out.shape == (2, 9)
 

@@ -24,6 +24,9 @@ _WRAPPERS = [  # (role, template)
     ("scorer", Recipe("chunk", "chunk", scorer_args={"chunk": 1024}, source="kvpress 0.5.5 ChunkPress (FINCH-style)",
                       provenance="peer", inferred="chunk shares differ from kvpress's max(1, len (1 - ratio)) by "
                                                   "rounding; chunks by original position")),
+    ("scorer", Recipe("composed", "composed", scorer_args={"keep": 0.5}, source="kvpress 0.5.5 ComposedPress",
+                      provenance="peer", inferred="the budget sets the final count; the first scorer's share is "
+                                                  "``keep`` (kvpress: the product of the presses' ratios)")),
     ("allocator", Recipe("adakv", "snapkv", "adakv", allocator_args={"alpha_safeguard": 0.2},
                          source="https://arxiv.org/abs/2407.11550 (kvpress AdaKVPress around any scorer)",
                          provenance="peer")),
