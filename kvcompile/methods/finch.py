@@ -42,7 +42,7 @@ class Finch(Scorer):
     reads the context, then the question, and compresses both (the budget counting both, as kvpress compresses
     context + question); any other compression is refused. The window is the question's last ``window``
     tokens (kvpress: the whole question, found by a delimiter token; kvcompile is told it by ``context_ids``).
-    Keys are not re-rotated to contiguous positions (kvpress's ``rerotate_keys=True``): positions stay original.
+    Keys keep their positions; ``key-rerotation+finch`` is kvpress's default ``rerotate_keys=True``.
     """
 
     normalize_scores: bool = True

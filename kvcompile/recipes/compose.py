@@ -43,8 +43,9 @@ _WRAPPERS = [  # (role, template)
     ("decode", Recipe("decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
                                                     "args": {"buffer": 256}},
                       source="kvpress 0.5.5 DecodingPress", provenance="peer",
-                      inferred="the cap is a bound (kvpress oscillates between target and target + interval); "
-                               "the wrapped scorer also compresses a prompt over the cap")),
+                      inferred="the cap is a bound (kvpress oscillates between target and target + interval), so "
+                               "the first run comes after the first decode step, then every 512; the wrapped scorer "
+                               "also compresses a prompt over the cap")),
     ("decode", Recipe("compression-ratio-decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
                                                                       "args": {"buffer": 256}},
                       source="kvpress 0.5.5 CompressionRatioDecodingPress (a fraction budget: the cap is that "
