@@ -1,7 +1,9 @@
 """Command line.
 
 ``kvcompile demo``: compress a real model's cache on a long prompt and report what it held.
-``kvcompile eval``: a recipes x budgets x tasks sweep with one shared prefill per context (CSV, JSON, PNG).
+``kvcompile eval``: a recipes x budgets x tasks sweep with one shared prefill per context (CSV, JSON, PNG, or a
+results store that a rerun resumes).
+``kvcompile report``: the tables (Markdown or CSV) and the score-against-bytes plot of a results store.
 ``kvcompile fidelity``: KL, top-1, perplexity, greedy agreement and per-layer attention errors against the full cache.
 ``kvcompile lm-eval ...``: lm-eval's own command line with the ``kvcompile`` model and the ``kvc_*`` tasks.
 ``kvcompile recipes``: the built-in recipes as a table: name@version, provenance, what is inferred, source.
@@ -73,13 +75,19 @@ def _eval(args) -> int:
     from kvcompile.eval.synthetic import TASKS
 
     tasks = list(TASKS) if args.tasks == "all" else _csv(args.tasks)
+    store = _store(args.store) if args.store else None
     cm, tok = _load(args.model)
     result = sweep.run(
         cm, tok, _csv(args.recipes), [sweep.parse_budget(b) for b in _csv(args.budgets)], tasks,
         n_samples=args.n_samples, length=args.length, seed=args.seed, kl=args.kl,
-        measure_separate=args.measure_separate,
+        measure_separate=args.measure_separate, store=store, model=args.model,
     )
-    for path in sweep.write(result, args.out, model=args.model):
+    if store is not None:
+        print(f"{args.store}: {len(result['samples'])} cell samples run, {result['timing']['cells_stored']} found "
+              f"stored and skipped; `kvcompile report --store {args.store}` renders it", file=sys.stderr)
+        store.close()
+    out = args.out or (None if store else "bench/results/sweep")
+    for path in sweep.write(result, out, model=args.model) if out else []:
         print(f"wrote {path}", file=sys.stderr)
     print(f"{'task':<18}{'recipe':<14}{'budget':>8}{'score':>7}{'held MiB':>10}{'wall s':>8}{'KL':>8}{'top1':>6}  error")
     for r in result["rows"]:
@@ -92,6 +100,32 @@ def _eval(args) -> int:
         print(f"shared prefill vs separate runs over {t['separate_contexts']} contexts: {t['separate_shared_s']:.1f} s vs "
               f"{t['separate_s']:.1f} s (ratio {t['shared_over_separate']:.3f}); answers that differ: "
               f"{t['separate_mismatches']}")
+    return 0
+
+
+def _store(path: str):
+    from kvcompile.eval.store import Store, StoreError
+
+    try:
+        return Store(path)
+    except StoreError as e:
+        raise SystemExit(f"kvcompile: {e}") from e
+
+
+def _report(args) -> int:
+    from pathlib import Path
+
+    from kvcompile.eval import report
+
+    if not Path(args.store).is_file():  # opening would create an empty store
+        raise SystemExit(f"kvcompile report: no results store at {args.store}")
+    with _store(args.store) as store:
+        rows = store.rows()
+    if not rows:
+        raise SystemExit(f"kvcompile report: {args.store} holds no results yet (kvcompile eval --store {args.store})")
+    print(report.markdown(rows) if args.format == "md" else report.csv_text(report.cells(rows)), end="")
+    if args.plot and report.plot(report.cells(rows), args.plot, f"{args.store}: score against bytes held"):
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 
@@ -159,7 +193,14 @@ def main(argv=None) -> int:
     ev.add_argument("--kl", action="store_true", help="add next-token KL and top-1 agreement against the full cache")
     ev.add_argument("--measure-separate", type=int, default=0, metavar="N",
                     help="also run every cell separately on the first N contexts and report the time ratio")
-    ev.add_argument("--out", default="bench/results/sweep", help="output path without extension")
+    ev.add_argument("--out", default=None, help="output path without extension (default bench/results/sweep, "
+                    "none with --store)")
+    ev.add_argument("--store", default=None, metavar="PATH", help="write the rows to this results store (SQLite; "
+                    "created if missing) and skip the cells it holds already")
+    rep = sub.add_parser("report", help="render a results store: tables (Markdown or CSV) and a score-against-bytes plot")
+    rep.add_argument("--store", required=True, metavar="PATH")
+    rep.add_argument("--format", choices=("md", "csv"), default="md")
+    rep.add_argument("--plot", default=None, metavar="OUT.png", help="also write the plot here")
     fi = sub.add_parser("fidelity", help="KL / top-1 / PPL / greedy agreement and per-layer attention errors")
     fi.add_argument("--model", default="smollm2-135m")
     fi.add_argument("--recipes", default="streamingllm,knorm,snapkv,adakv-snapkv,random")
@@ -174,7 +215,7 @@ def main(argv=None) -> int:
                    "and tasks registered")
     sub.add_parser("recipes", help="list the built-in recipes: name@version, provenance, what is inferred, source")
     args = parser.parse_args(argv)
-    return {"demo": _demo, "eval": _eval, "fidelity": _fidelity, "recipes": _recipes}[args.command](args)
+    return {"demo": _demo, "eval": _eval, "fidelity": _fidelity, "recipes": _recipes, "report": _report}[args.command](args)
 
 
 if __name__ == "__main__":

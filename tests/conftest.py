@@ -37,6 +37,27 @@ def tiny_model(family: str, seed: int = 0, layers: int = 2):
     return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
+def byte_tokenizer():
+    """A byte-level tokenizer with <s>=0, </s>=1 and one id per byte (no merges): nothing downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
+
+
+def byte_llama():
+    """A 2-layer GQA llama over ``byte_tokenizer``'s vocabulary, 2048 positions."""
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=0, eos_token_id=1)
+    return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
 def left_padded_batch(lengths, total: int, seed: int = 0):
     """input_ids, attention_mask [len(lengths), total] with row i holding lengths[i] real tokens at the right."""
     g = torch.Generator().manual_seed(seed)

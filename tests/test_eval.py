@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers as tf
+from conftest import byte_llama, byte_tokenizer
 
 import lm_eval  # the test extra installs it: a missing lm-eval fails here instead of skipping
 from lm_eval.api.instance import Instance
@@ -17,26 +17,10 @@ from kvcompile.eval.harness import KVCompileLM
 from kvcompile.eval.synthetic import SEPARATOR, TASKS, make_sample
 
 
-def byte_tokenizer():
-    """A byte-level tokenizer with <s>=0, </s>=1 and one id per byte (no merges): nothing downloaded."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {"<s>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(alphabet)}}
-    t = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    t.decoder = decoders.ByteLevel()
-    return tf.PreTrainedTokenizerFast(tokenizer_object=t, bos_token="<s>", eos_token="</s>")
-
-
 @pytest.fixture(scope="module")
 def tiny():
     """(hf model, tokenizer, CompressedModel at full budget): a 2-layer GQA llama over the byte vocabulary."""
-    torch.manual_seed(0)
-    cfg = tf.LlamaConfig(vocab_size=258, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         bos_token_id=0, eos_token_id=1)
-    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    model = byte_llama()
     return model, byte_tokenizer(), kvcompile.apply(model, budget=1.0, recipe="full")
 
 
