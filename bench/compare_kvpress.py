@@ -19,8 +19,11 @@ table from the two raw files (step 3 also writes it when step 2's file exists). 
 where the hub cannot be reached, so a press that downloads (QFilter) fails at once instead of retrying.
 
 kvpress presses that need attention weights (ObservedAttention) run with eager attention during the context
-prefill, as kvpress requires; everything else runs with sdpa. Recipes with a ``prefill_chunk`` (``block+keydiff``)
-are run prompt by prompt from an empty cache, since ``sweep.run`` forks one shared unchunked prefill.
+prefill, as kvpress requires; everything else runs with sdpa. Every prompt starts from a model without head masks:
+kvpress leaves a masked press's ``masked_key_indices`` on the attention modules, only an sdpa prefill resets them,
+and KVCompose's eager prefill would otherwise decode through the previous press's masks. Recipes with a
+``prefill_chunk`` (``block+keydiff``) are run prompt by prompt from an empty cache, since ``sweep.run`` forks one
+shared unchunked prefill.
 """
 
 from __future__ import annotations
@@ -201,6 +204,9 @@ def _kvpress(args) -> None:
         """(answer text, reference logits [T, V], bytes held, seconds) for one prompt under ``press`` (None: full)."""
         ctx = torch.tensor([prompt["context"]])
         n = ctx.shape[1]
+        for module in model.modules():  # a fresh model: kvpress leaves head masks on the attention modules, and an
+            if getattr(module, "masked_key_indices", None) is not None:  # eager prefill (KVCompose) does not reset them
+                module.masked_key_indices = None
         t0 = time.perf_counter()
         cache = DynamicCache()
         with torch.no_grad():
@@ -222,7 +228,12 @@ def _kvpress(args) -> None:
         return tok.decode(tokens, skip_special_tokens=True), logits, held, seconds
 
     t_start = time.perf_counter()
-    full = {i: run(prompt, None) for i, prompt in enumerate(data["prompts"])}
+    saved = args.dir / "kvpress_full.pt"  # the full-budget runs, reused by later invocations on the same prompts
+    full = torch.load(saved) if saved.exists() else None
+    if full is None or full["prompts"] != _prompt_key(data):
+        full = {"prompts": _prompt_key(data), "runs": {i: run(p, None) for i, p in enumerate(data["prompts"])}}
+        torch.save(full, saved)
+    full = full["runs"]
     cells = [("full", 1.0)] + [(name, b) for b in args.budgets for name, _ in _selected(args)]  # a budget at a time
     key = {"prompts": _prompt_key(data), "kvpress": _version("kvpress"), "transformers": _version("transformers")}
     for name, budget in cells:
@@ -360,7 +371,7 @@ def _merge(args) -> None:
         for budget in [1.0] if press == "full" else args.budgets:
             kp = next((c for c in raw["cells"] if c["press"] == press and c["budget"] == budget), None)
             o = next((c for c in ours["cells"] if c["press"] == recipe and c["budget"] == budget), None)
-            if kp is None and o is None:
+            if kp is None or o is None:  # only cells both sides ran (a failure counts as run)
                 continue
             row = {"method": press, "recipe": recipe, "budget": budget}
             if kp:
