@@ -88,3 +88,11 @@ def generation(max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     return eos
+
+
+def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:
+    """A fork shares a prefill already done: refuse a recipe that prefills in other chunks (``block+...``)."""
+    if wanted != done:
+        raise ValueError(f"recipe {recipe!r} prefills {wanted or 'all'} tokens at a time, but this cache was prefilled "
+                         f"{done or 'all'} at a time: a shared prefill cannot stand in for it; apply it and prefill "
+                         "on its own")

@@ -125,8 +125,7 @@ class CompressedModel(Steps, nn.Module):
         return max(self.decode_window, scorer)
 
     def budget_bytes(self) -> Tensor:
-        """[B] bytes each sequence may hold: of the tokens prefilled with ``compress=True``, or of every token read
-        when the recipe compresses while decoding (its cap counts generated tokens)."""
+        """[B] bytes each sequence may hold: of the tokens prefilled to compress, or of all read (a decoding cap)."""
         tokens = self.cache.seen if self.schedule is not None and self.decoder is not None else self.context_tokens
         return self.cache.budget_bytes(self.budget, tokens)
 
@@ -278,11 +277,13 @@ class CompressedModel(Steps, nn.Module):
         recipe = self.recipe if recipe is None else get_recipe(recipe)
         budget = self.budget if budget is None else Budget.parse(budget)
         programs = self.programs if compile is None else self.programs.compile(compile)
+        chunk = recipe.prefill_chunk or self.prefill_chunk
         child = CompressedModel(programs, self.spec, recipe, budget, page_size=self.cache.page_size,
-                                prefill_chunk=self.prefill_chunk, generation_config=self.generation_config,
+                                prefill_chunk=chunk, generation_config=self.generation_config,
                                 device=self.device, source=self.source)
         if self.seen is None:
             return child
+        checks.same_chunking(recipe.name, chunk, self.prefill_chunk)
         window, kept = child.observation_window, self.cache.ring.capacity
         if self._observing and window > kept and kept < int(self.seen.max()):
             raise ValueError(f"recipe {recipe.name!r} reads the last {window} queries of each layer but this cache "

@@ -200,6 +200,11 @@ def test_block_is_chunked_prefill_of_128_tokens(llama_cm):
     assert block.prefill_chunk == 128
     assert torch.equal(block.prefill(ids, mask, logits="last"), plain.prefill(ids, mask, logits="last"))
     assert block.cache_stats()["tokens_held"] == plain.cache_stats()["tokens_held"]
+    shared = kvcompile.apply(llama_cm, budget=1.0, recipe="full")
+    assert shared.fork("block+keydiff").prefill_chunk == 128, "an empty fork takes the recipe's chunking"
+    shared.prefill(ids, mask, compress=False)
+    with pytest.raises(ValueError, match="a shared prefill cannot stand in for it"):
+        shared.fork("block+keydiff")  # a sweep's shared, unchunked prefill: the cell must not silently reuse it
 
 
 def test_decoding_keeps_the_cap_and_rescores_from_decode_queries_only(llama_cm):
