@@ -7,6 +7,7 @@ results store that a rerun resumes).
 ``kvcompile fidelity``: KL, top-1, perplexity, greedy agreement and per-layer attention errors against the full cache.
 ``kvcompile lm-eval ...``: lm-eval's own command line with the ``kvcompile`` model and the ``kvc_*`` tasks.
 ``kvcompile recipes``: the built-in recipes as a table: name@version, provenance, what is inferred, source.
+``kvcompile analyze ceiling``: how far the best kept subset beats top-mass on a real model's attention rows (§48).
 """
 
 from __future__ import annotations
@@ -155,6 +156,19 @@ def _fidelity(args) -> int:
     return 0
 
 
+def _analyze(args) -> int:
+    from kvcompile.eval.analysis import ceiling_report
+
+    cm, tok = _load(args.model)
+    result = ceiling_report.run(cm, tok, rows=args.rows, contexts=args.contexts, length=args.length,
+                                window=args.window, budgets=[int(b) for b in _csv(args.budgets)],
+                                max_swaps=args.max_swaps, seed=args.seed)
+    for path in ceiling_report.write(result, args.out, args.model, "kvcompile " + " ".join(args.argv)):
+        print(f"wrote {path}", file=sys.stderr)
+    print(ceiling_report.markdown(result, args.model, "kvcompile " + " ".join(args.argv)))
+    return 0
+
+
 def _recipes(args) -> int:
     from kvcompile.recipes import WRAPPERS, recipes
 
@@ -214,8 +228,23 @@ def main(argv=None) -> int:
     sub.add_parser("lm-eval", help="lm-eval's command line (kvcompile lm-eval --help) with the kvcompile model "
                    "and tasks registered")
     sub.add_parser("recipes", help="list the built-in recipes: name@version, provenance, what is inferred, source")
+    an = sub.add_parser("analyze", help="analysis tools of the field (kvcompile.eval.analysis)")
+    ce = an.add_subparsers(dest="analysis", required=True).add_parser(
+        "ceiling", help="top-mass vs the exact best subset, balancing selector and certificate on attention rows")
+    ce.add_argument("--model", default="smollm2-135m")
+    ce.add_argument("--rows", type=int, default=480, help="attention rows, spread over contexts and layers")
+    ce.add_argument("--contexts", type=int, default=2, help="prose windows (pydoc_data, offline)")
+    ce.add_argument("--length", type=int, default=1024, help="tokens per window")
+    ce.add_argument("--window", type=int, default=64, help="rows come from the last this many queries")
+    ce.add_argument("--budgets", default="4,8,16,32,64,128,256", help="kept keys s, comma-separated")
+    ce.add_argument("--max-swaps", type=int, default=16, help="swap-search limit of the balancing selector")
+    ce.add_argument("--seed", type=int, default=0)
+    ce.add_argument("--out", default="bench/results/ceiling", help="output path without extension")
     args = parser.parse_args(argv)
-    return {"demo": _demo, "eval": _eval, "fidelity": _fidelity, "recipes": _recipes, "report": _report}[args.command](args)
+    args.argv = argv
+    commands = {"demo": _demo, "eval": _eval, "fidelity": _fidelity, "recipes": _recipes, "report": _report,
+                "analyze": _analyze}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":
