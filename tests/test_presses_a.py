@@ -8,9 +8,8 @@ import os
 import random
 
 import pytest
-import test_scorers
 import torch
-from conftest import left_padded_batch, tiny_model
+from conftest import assert_plain_at_full_budget, left_padded_batch, tiny_model
 from test_scorers import MAX, LargestTensor, exact_leverage, make_obs
 
 import kvcompile
@@ -290,7 +289,7 @@ def test_recipe_compresses_within_the_budget_and_generates(llama_cm, recipe):
 
 @pytest.mark.parametrize("recipe", NEW)
 def test_recipe_at_full_budget_is_the_plain_model(llama, llama_cm, recipe):
-    test_scorers.test_recipe_at_full_budget_is_the_plain_model(llama, llama_cm, recipe)
+    assert_plain_at_full_budget(llama, llama_cm, recipe)
 
 
 def test_observed_attention_keeps_the_top_of_the_plain_models_own_attention(llama):

@@ -10,8 +10,7 @@ import random
 
 import pytest
 import torch
-from conftest import left_padded_batch, tiny_model
-from test_scorers import test_recipe_at_full_budget_is_the_plain_model as full_budget_is_plain
+from conftest import assert_plain_at_full_budget, left_padded_batch, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvcompile
@@ -52,7 +51,7 @@ def dense_attention(obs: Observation, b: int, w: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("recipe", NEW)
 def test_recipe_at_full_budget_is_the_plain_model(llama, llama_cm, recipe):
-    full_budget_is_plain(llama, llama_cm, recipe)  # test_scorers' check, whose recipe list is its own
+    assert_plain_at_full_budget(llama, llama_cm, recipe)
 
 
 def eager_attention(ids):

@@ -196,8 +196,9 @@ def position_sums(values: Tensor, obs: Observation) -> Tensor:
     B, H, S = values.shape
     G = H // obs.keys.shape[1]
     valid = obs.valid.repeat_interleave(G, 1)
-    pos = obs.positions.masked_fill(~obs.valid, 0).repeat_interleave(G, 1).reshape(B, -1)
-    total = torch.zeros(B, int(obs.positions.masked_fill(~obs.valid, 0).max()) + 1, device=values.device)
+    held = obs.positions.masked_fill(~obs.valid, 0)
+    total = torch.zeros(B, int(held.max()) + 1, device=values.device)
+    pos = held.repeat_interleave(G, 1).reshape(B, -1)
     return total.scatter_add_(1, pos, values.float().masked_fill(~valid, 0).reshape(B, -1))
 
 

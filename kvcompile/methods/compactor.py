@@ -51,7 +51,7 @@ class Compactor(Scorer):
         smooth = F.avg_pool1d(attention, 3, stride=1, padding=1, count_include_pad=False)
         g = torch.Generator(device=obs.keys.device).manual_seed(self.seed + obs.layer)
         lev = leverage(obs.keys, obs.valid, self.sketch, g).repeat_interleave(G, 1)
-        scores = self.blending * _zscore(lev, valid) + _zscore(smooth, valid)
+        scores = self.blending * zscore(lev, valid) + zscore(smooth, valid)
         last = obs.positions.masked_fill(~obs.valid, -1).amax(-1, keepdim=True)
         kept = (obs.positions < self.sinks_start) | (obs.positions > last - self.sinks_end)
         return protect(scores, kept.repeat_interleave(G, 1))
@@ -81,7 +81,8 @@ def leverage(keys, valid, sketch: int, generator: torch.Generator | None = None)
     return (y * solved.transpose(-1, -2)).sum(-1).float()
 
 
-def _zscore(x, valid):
+def zscore(x, valid):
+    """(x - mean) / std over each head's ``valid`` entries (the last dim); what the Compactor family ranks by."""
     n = valid.sum(-1, keepdim=True).clamp_min(1)
     x = x.masked_fill(~valid, 0.0)
     mean = x.sum(-1, keepdim=True) / n

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Observation, Scorer, register_scorer
-from .compactor import _zscore, leverage
+from .compactor import zscore, leverage
 
 
 @register_scorer("leverage-score")
@@ -32,4 +32,4 @@ class LeverageScore(Scorer):
 
     def score(self, obs: Observation):
         g = torch.Generator(device=obs.keys.device).manual_seed(self.seed + obs.layer)
-        return _zscore(leverage(obs.keys, obs.valid, self.sketch, g), obs.valid)
+        return zscore(leverage(obs.keys, obs.valid, self.sketch, g), obs.valid)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from .base import Observation, Scorer, pool_groups, register_scorer
-from .compactor import _zscore
+from .compactor import zscore
 
 
 @register_scorer("noncausal-attention")
@@ -39,4 +39,4 @@ class NonCausalAttention(Scorer):
         mass = (attention * obs.values.float().norm(dim=-1)).masked_fill(~obs.valid, 0.0)
         held = obs.valid.float()
         neighbours = F.avg_pool1d(held, 3, stride=1, padding=1).clamp_min(1e-6)
-        return _zscore(F.avg_pool1d(mass, 3, stride=1, padding=1) / neighbours, obs.valid)
+        return zscore(F.avg_pool1d(mass, 3, stride=1, padding=1) / neighbours, obs.valid)
