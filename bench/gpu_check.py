@@ -2,9 +2,12 @@
 
 1. Correctness of the Triton decode and compaction kernels against the PyTorch reference on fresh random inputs
    (fp32 / fp16 / bf16, GQA 1/4/8, lengths 0, 1, P, P+1 and Zipf-skewed, shuffled pages, a sliding window).
+   The same decode over format pages (every page format of ``kernels.formats``, decoded in the kernel) against
+   the reference over the same pages.
 2. The decode kernel on an 8B-like shape (batch 8, 8 KV heads, G = 4, head dim 128, bf16, Zipf per-head lengths
    averaging 4k): achieved GB/s = bytes of kept K/V (+ page ids) / kernel time, against the device's measured
-   copy bandwidth; and the step time against the bytes-over-bandwidth floor.
+   copy bandwidth; and the step time against the bytes-over-bandwidth floor. Then the same tokens stored as
+   fp8, int8 and int4 pages: step time and the bytes it reads, against the bf16 pages.
 
 Prints one table; ``--out`` also writes it as JSON. Run: ``python bench/gpu_check.py --out bench/results/gpu_check``
 """
@@ -19,6 +22,7 @@ import torch
 
 from kvcompile.cache import PagedKVCache
 from kvcompile.kernels import reference
+from kvcompile.kernels.formats import FORMATS, encode_pool
 from kvcompile.plan import Plan
 from kvcompile.kernels.triton_compact import compact
 from kvcompile.kernels.triton_decode import paged_decode
@@ -48,6 +52,16 @@ def random_cache(B, Hkv, lengths, P, D, dtype, gen, device):
     return cache
 
 
+def as_format(cache, name):
+    """The cache's model-dtype pages (one layer) re-stored as a format pool of ``name`` (``FormatPages``), and
+    the lengths left in the model-dtype pool (none)."""
+    fmt = FORMATS[name]
+    kc, km = encode_pool(fmt.key, cache.k_pages.float())
+    vc, vm = encode_pool(fmt.value, cache.v_pages.float())
+    stored = reference.FormatPages(kc, km, vc, vm, cache.page_pos, cache.page_table[0], cache.lengths[0])
+    return stored, torch.zeros_like(cache.lengths[0])
+
+
 def check_kernels(device, gen):
     rows = []
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -64,6 +78,14 @@ def check_kernels(device, gen):
                 err = (paged_decode(*args).float() - reference.paged_attention(*args).float()).abs().max().item()
                 rows.append({"check": f"decode {dtype} G={G} window={window}", "max_err": err, "ok": err <= tol[dtype]})
         cache = random_cache(2, 4, zipf_lengths(8, 300, gen).view(2, 4), 16, 128, dtype, gen, device)
+        q = torch.randn(2, 16, 1, 128, generator=gen).to(device, dtype)
+        for name in FORMATS if dtype == torch.float32 else ():
+            stored, empty = as_format(cache, name)
+            args = (q, torch.full((2, 1), 2000, device=device), cache.k_pages, cache.v_pages, cache.page_pos,
+                    cache.page_table[0], empty, 128**-0.5, 0)
+            got = paged_decode(*args, stored=stored).float()
+            err = (got - reference.paged_attention(*args, stored=stored).float()).abs().max().item()
+            rows.append({"check": f"decode over {name} pages", "max_err": err, "ok": err <= 1e-3})
         keep_count = cache.lengths[0].long().cpu() // 3
         keep_idx = torch.zeros(*keep_count.shape, max(int(keep_count.max()), 1), dtype=torch.long)
         for (b, h), n in zip(torch.cartesian_prod(torch.arange(2), torch.arange(4)).tolist(), cache.lengths[0].flatten()):
@@ -85,11 +107,26 @@ def bench_decode(device, gen):
     q = torch.randn(B, Hkv * G, 1, D, generator=gen).to(device, torch.bfloat16)
     qp = torch.full((B, 1), int(lengths.max()), device=device)
     out = torch.empty_like(q)
-    args = (q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], cache.lengths[0], D**-0.5, 0)
+    tokens = int(lengths.sum())
+    copy_bw = _copy_bandwidth(device)
+    rows = {}
+    for name in ("bf16", "fp8", "int8", "int4", "kivi2"):
+        stored, held = (None, cache.lengths[0]) if name == "bf16" else as_format(cache, name)
+        args = (q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], held, D**-0.5, 0)
+        t = _graph_time(lambda: paged_decode(*args, out=out, stored=stored))
+        row_bytes = 2 * D * 2 if stored is None else FORMATS[name].token_bytes(D, P)
+        kv_bytes = tokens * (row_bytes + 4)  # K + V as stored (scales included), page_pos int32
+        rows[name] = {"decode_us": t * 1e6, "kv_bytes": kv_bytes, "achieved_GBps": kv_bytes / t / 1e9,
+                      "fraction_of_copy_bw": kv_bytes / t / copy_bw, "floor_us": kv_bytes / copy_bw * 1e6}
+    base = rows["bf16"]["decode_us"]
+    for row in rows.values():
+        row["speedup_vs_bf16"] = base / row["decode_us"]
+    return {"shape": f"B={B} Hkv={Hkv} G={G} D={D}, mean len {mean} (zipf)", "copy_GBps": copy_bw / 1e9,
+            "formats": rows}
 
-    def run():
-        paged_decode(*args, out=out)
 
+def _graph_time(run) -> float:
+    """Seconds per call of ``run`` replayed in a CUDA graph."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -102,19 +139,20 @@ def bench_decode(device, gen):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    t = start.elapsed_time(end) / 100 / 1e3
-    kv_bytes = int(lengths.sum()) * 2 * D * 2 + int(lengths.sum()) * 4  # K + V bf16, page_pos int32
+    return start.elapsed_time(end) / 100 / 1e3
+
+
+def _copy_bandwidth(device) -> float:
+    """Bytes per second of a 1 GiB device copy (read + write)."""
     buf = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(buf)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(20):
         dst.copy_(buf)
     end.record()
     torch.cuda.synchronize()
-    copy_bw = 2 * buf.numel() * 20 / (start.elapsed_time(end) / 1e3)  # read + write
-    return {"shape": f"B={B} Hkv={Hkv} G={G} D={D} bf16, mean len {mean} (zipf)", "kv_bytes": kv_bytes,
-            "decode_us": t * 1e6, "achieved_GBps": kv_bytes / t / 1e9, "copy_GBps": copy_bw / 1e9,
-            "fraction_of_copy_bw": kv_bytes / t / copy_bw, "floor_us": kv_bytes / copy_bw * 1e6}
+    return 2 * buf.numel() * 20 / (start.elapsed_time(end) / 1e3)
 
 
 def main():
@@ -127,8 +165,10 @@ def main():
     result = {"device": torch.cuda.get_device_name(), "checks": check_kernels(device, gen), "decode": bench_decode(device, gen)}
     for row in result["checks"]:
         print(f"{row['check']:<40} max_err={row['max_err']:.2e} {'ok' if row['ok'] else 'FAIL'}")
-    for k, v in result["decode"].items():
-        print(f"{k:<22} {v:.4g}" if isinstance(v, float) else f"{k:<22} {v}")
+    decode = result["decode"]
+    print(f"decode {decode['shape']}, copy bandwidth {decode['copy_GBps']:.0f} GB/s")
+    for name, row in decode["formats"].items():
+        print(f"  {name:<5} " + "  ".join(f"{k}={v:.4g}" for k, v in row.items()))
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(result, f, indent=1)

@@ -52,7 +52,8 @@ def apply(
         ``num_kv_heads``, ``head_dim``. It is not modified.
     budget: fraction of the context's KV bytes in (0, 1], an int (average tokens per KV head), or a size per
         sequence such as ``"64MiB"``. ``1.0`` keeps everything.
-    recipe: a name from ``kvcompile.recipes()`` or a ``Recipe``.
+    recipe: a name from ``kvcompile.recipes()``, a composition (``"chunkkv+snapkv"``; a page format last stores
+        what is kept in it: ``"snapkv+int4"``, ``"full+fp8"``) or a ``Recipe``.
     page_size: tokens per page (P). Smaller pages waste less to rounding; larger pages read faster.
     prefill_chunk: prefill long prompts this many tokens at a time, compressing between chunks, so the cache
         peaks near budget + one chunk (default: the recipe's, e.g. 128 for ``"block+keydiff"``).
@@ -67,7 +68,7 @@ def apply(
     scorer, _ = recipe.build()  # bad recipe parameters fail here, before any capture
     if scorer is not None:
         observation.check(scorer.sources(), f"recipe {recipe.name!r}")
-    if recipe.scorer is None and not budget.is_full:
+    if recipe.scorer is None and recipe.format is None and not budget.is_full:
         raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
     checks.positive_int("page_size", page_size)
     checks.positive_int("prefill_chunk", prefill_chunk, allow_none=True)

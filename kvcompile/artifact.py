@@ -29,7 +29,7 @@ from .recipes import Recipe
 from .signature import INPUTS
 from .spec import ModelSpec
 
-_FORMAT = 2  # 2: the ring's slots are an input and its length is dynamic
+_FORMAT = 3  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs
 _NAMES = ("prefill", "prefill_last", "decode")
 _SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}
 
@@ -49,7 +49,7 @@ def _example(cm: CompressedModel, tokens: int, ring: int):
     pages, ``ring`` ring slots."""
     spec, B = cm.spec, 2
     cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=cm.cache.dtype,
-                         page_size=cm.cache.page_size, device=cm.device)
+                         page_size=cm.cache.page_size, device=cm.device, page_format=cm.recipe.format)
     cache.setup(B)
     cache.reserve(2 * cache.page_size)
     cache.ring.resize(ring)
@@ -59,15 +59,15 @@ def _example(cm: CompressedModel, tokens: int, ring: int):
 
 
 _RANGES = {"batch": (1, 4096), "tokens": (1, 1 << 20), "pages": (2, 1 << 24), "width": (2, 1 << 20),
-           "ring": (0, 1 << 20)}
+           "ring": (0, 1 << 20), "fmt_pages": (2, 1 << 24), "fmt_width": (2, 1 << 20)}
 
 
-def _dynamic_shapes(decode: bool):
+def _dynamic_shapes(decode: bool, formatted: bool):
     """``signature.INPUTS``' varying sizes as ``torch.export`` dimensions. A decode program has one token and a
     fixed ring (the recipe's decode window: its op writes the ring only when there is one); the prefill op is
-    opaque, so its ring may be any length, 0 included."""
+    opaque, so its ring may be any length, 0 included. Without a page format the format pool is empty (static)."""
     dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in _RANGES.items()}
-    static = ("tokens", "ring") if decode else ()
+    static = (("tokens", "ring") if decode else ()) + (() if formatted else ("fmt_pages", "fmt_width"))
     return tuple({d: dims[n] for d, n in i.dims if n not in static} for i in INPUTS)
 
 
@@ -94,7 +94,8 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         example = _example(cm, 1 if decode else 8, cm.decode_window if decode else 2)
         file = out / f"{name}{_SUFFIX[backend]}"
         with torch.no_grad():
-            ep = torch.export.export(program, example, dynamic_shapes=_dynamic_shapes(decode), strict=False)
+            ep = torch.export.export(program, example, dynamic_shapes=_dynamic_shapes(decode, cm.recipe.format is not None),
+                                    strict=False)
             if backend == "aoti":
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(file))
             else:

@@ -64,7 +64,10 @@ class Budget:
         return self.kind == "fraction" and self.value >= 1.0
 
     def bytes_per_sequence(self, context_tokens: int, num_layers: int, num_kv_heads: int, token_bytes: int) -> int:
-        """Bytes one sequence may hold. ``token_bytes`` is K plus V of one token of one KV head."""
+        """Bytes one sequence may hold. ``token_bytes`` is K plus V of one token of one KV head. ``budget=1.0``
+        keeps everything: no bound (page rounding, a page format's residual window in the model's dtype)."""
+        if self.is_full:
+            return MAX_BYTES
         if self.kind == "fraction":
             return int(self.value * context_tokens * num_layers * num_kv_heads * token_bytes)
         if self.kind == "tokens":

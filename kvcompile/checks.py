@@ -8,6 +8,8 @@ import math
 import torch
 from torch import Tensor
 
+from .kernels.formats import get_format
+
 
 def positive_int(name: str, value, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
@@ -96,3 +98,22 @@ def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:
         raise ValueError(f"recipe {recipe!r} prefills {wanted or 'all'} tokens at a time, but this cache was prefilled "
                          f"{done or 'all'} at a time: a shared prefill cannot stand in for it; apply it and prefill "
                          "on its own")
+
+
+def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
+    """Refuse, at ``apply``, a recipe and budget that cannot run together: a recipe that evicts nothing under a
+    budget below what it stores, and a page format with what it does not support yet."""
+    if recipe.format is None:
+        if recipe.scorer is None and not budget.is_full:
+            raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
+        return
+    unsupported = {"a decode-time schedule": recipe.decode, "key re-rotation": recipe.rerotate_keys,
+                   "an allocator of whole pages": allocator.strategy == "pages"}
+    for what, used in unsupported.items():
+        if used:
+            raise NotImplementedError(f"recipe {recipe.name!r}: {what} does not work with {recipe.format} pages yet")
+    share = get_format(recipe.format).token_bytes(spec.head_dim, page_size) / (2 * spec.head_dim * spec.dtype.itemsize)
+    if recipe.scorer is None and budget.kind == "fraction" and budget.value < share:
+        raise ValueError(f"recipe {recipe.name!r} stores every token in {recipe.format} pages, {share:.3f} of the "
+                         f"model dtype's bytes, above budget={budget}; add a scorer that evicts "
+                         f"('snapkv+{recipe.format}') or raise the budget")

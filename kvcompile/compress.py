@@ -3,10 +3,14 @@
 Strategies (``STRATEGIES``, named by ``methods.Allocator.strategy``): ``tokens`` keeps each head's top tokens;
 ``pages`` allocates and keeps whole pages (scores projected onto pages by their max); ``tail-summary`` spends the
 last counted slot of a head that evicts on one new entry summarising its evicted tail. Every one ends in a
-``plan.Plan`` whose budget holds after page rounding.
+``plan.Plan`` whose budget holds after page rounding. With a page format, tokens cost what the format stores
+(``PagedKVCache.stored_token_bytes``) and the plan stores every kept entry in it: one byte budget spent on
+eviction and quantization together.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -16,14 +20,14 @@ from .cache import PagedKVCache
 from .methods import Allocator, Scorer
 from .methods.base import is_pinned
 from .observation import observe
-from .plan import NewEntries, Plan, pinned_levels, rank, select
+from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
 
 
 def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...], allocator: Allocator | None = None):
     """[L, B, Hkv, S] scores, -inf where a head holds nothing (S is the longest head of any layer), and the
     allocator's ``layer_stats`` stacked over layers (None when it needs none)."""
-    S = int(cache.lengths.max())
+    S = int(cache.held().max())
     out = torch.full((*cache.lengths.shape, S), float("-inf"), device=cache.device)
     stats = []
     for layer in layers:
@@ -57,9 +61,10 @@ def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int) -> Tensor:
 
 def token_counts(cache: PagedKVCache, allocator: Allocator, scores: Tensor, stats, budget_bytes: Tensor) -> Tensor:
     """[L, B, Hkv] tokens each head keeps: the allocator's counts, at most what it holds, fit to whole pages."""
-    lengths = cache.lengths.long()
-    counts = allocator.allocate(scores, lengths, budget_bytes // cache.token_bytes, *stats)
-    return fit_to_pages(counts.long().clamp(min=0).minimum(lengths), budget_bytes // cache.page_bytes, cache.page_size)
+    lengths = cache.held().long()
+    counts = allocator.allocate(scores, lengths, budget_bytes // cache.stored_token_bytes, *stats)
+    return fit_to_pages(counts.long().clamp(min=0).minimum(lengths), budget_bytes // cache.stored_page_bytes,
+                        cache.page_size)
 
 
 def plan_tokens(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
@@ -84,7 +89,7 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> 
     """``plan_tokens`` with the last counted slot of every head that evicts spent on a summary of its evicted tail
     (``Allocator.summarize``, from the dense cache before compaction), written after the kept tokens."""
     counts = token_counts(cache, allocator, scores, stats, budget_bytes)
-    summary = ((counts < cache.lengths) & (counts > 0)).long()
+    summary = ((counts < cache.held()) & (counts > 0)).long()
     kept = rank(scores, pinned_levels(scores, is_pinned(scores))) < (counts - summary)[..., None]
     rows = []
     for layer in layers:
@@ -99,7 +104,38 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> 
 STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary}
 
 
-def compress(cache: PagedKVCache, scorer: Scorer, allocator: Allocator, budget_bytes: Tensor, layers) -> None:
-    """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place."""
-    scores, stats = score_all(cache, scorer, layers, allocator)
-    cache.keep(STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers))
+def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
+             precise_recent: int = 0) -> None:
+    """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place; with a page
+    format, store what is kept in it (every token, unscored, when they all fit), except the ``precise_recent``
+    newest tokens, which stay in the model's dtype (a recipe that evicts nothing only)."""
+    held = cache.held().long()
+    recent = recent_entries(cache, precise_recent)
+    n_recent = recent.sum(-1)
+    fits = cache.pages_held(held - n_recent).sum(dim=(0, 2)) * cache.stored_page_bytes \
+        + cache.pages_held(n_recent).sum(dim=(0, 2)) * cache.page_bytes <= budget_bytes
+    if scorer is None and not bool(fits.all()):
+        raise ValueError(f"every token in {cache.page_format} pages does not fit the budget ({int(budget_bytes.min())} "
+                         "bytes in a sequence); add a scorer that evicts, or raise the budget")
+    if cache.page_format is not None and (scorer is None or bool(fits.all())):
+        plan = Plan(torch.arange(max(int(held.max()), 1), device=cache.device).expand(*held.shape, -1), held)
+    else:
+        scores, stats = score_all(cache, scorer, layers, allocator)
+        plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers)
+    if cache.page_format is not None:
+        formats = torch.full_like(plan.keep, STORED_FORMAT)
+        if precise_recent:
+            formats = formats.masked_fill(recent.gather(-1, plan.keep.clamp_max(recent.shape[-1] - 1)), DTYPE_FORMAT)
+        plan = dataclasses.replace(plan, formats=formats)
+    cache.keep(plan)
+
+
+def recent_entries(cache: PagedKVCache, window: int) -> Tensor:
+    """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0)."""
+    if not window:
+        return torch.zeros(*cache.lengths.shape, 1, dtype=torch.bool, device=cache.device)
+    views = [cache.dense(layer) for layer in range(cache.num_layers)]
+    S = max(v[2].shape[-1] for v in views)
+    pos = torch.stack([F.pad(v[2], (0, S - v[2].shape[-1]), value=-1) for v in views])
+    valid = torch.stack([F.pad(v[3], (0, S - v[3].shape[-1])) for v in views])
+    return valid & (pos >= (cache.seen - window)[None, :, None, None])

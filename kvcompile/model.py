@@ -43,11 +43,10 @@ class CompressedModel(Steps, nn.Module):
         source: nn.Module | None = None,
     ):
         super().__init__()
-        if recipe.scorer is None and not budget.is_full:
-            raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
         self.programs, self.spec, self.recipe, self.budget = programs, spec, recipe, budget
         self.source = source  # the model applied to: its weights are this model's parameters
         self.scorer, self.allocator = recipe.build()
+        checks.recipe(recipe, self.allocator, budget, spec, page_size)
         self.allocator.check(spec.num_layers)
         rerotation.check(spec, recipe, prefill_chunk)
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
@@ -57,7 +56,7 @@ class CompressedModel(Steps, nn.Module):
         observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
                                   dtype=spec.dtype, page_size=page_size, device=device,
-                                  keep_ids=observation.keeps_ids(sources))
+                                  keep_ids=observation.keeps_ids(sources), page_format=recipe.format)
         if self.schedule is not None and budget.kind != "fraction":  # the cap is known now: check it fits
             self._fit_schedule(0)
         self.reset()
@@ -143,7 +142,7 @@ class CompressedModel(Steps, nn.Module):
         schedule = self.decoder.schedule if self.decoder else self.schedule
         stats.update(
             bytes_full=bytes_full, budget_bytes=budget, budget=str(self.budget), recipe=self.recipe.tag,
-            query_aware=self.query_aware, tokens_held=int(self.cache.lengths.long().sum()),
+            query_aware=self.query_aware, tokens_held=int(self.cache.held().long().sum()),
             peak_bytes_held=stats["peak_bytes"]["payload"],
             decode_schedule=None if schedule is None else dataclasses.asdict(schedule),
         )
@@ -208,15 +207,15 @@ class CompressedModel(Steps, nn.Module):
             self.cache.observe(self.decode_window)
 
     def _compress(self) -> None:
-        """Compress to ``budget_bytes`` if over it, with the scorer's declared sources."""
-        if self.budget.is_full or self.scorer is None:
+        """Compress to ``budget_bytes`` if over it, with the scorer's declared sources (always, to a page format)."""
+        if (self.budget.is_full or self.scorer is None) and self.recipe.format is None:
             self._pending = []  # nothing will ever be compressed
             return
         budget = self.budget_bytes()
-        if not bool((self.cache.bytes_held() > budget).any()):
+        if not bool((self.cache.bytes_held() > budget).any()) and self.recipe.format is None:
             return
         with self.observing() as cache:
-            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers)
+            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe.precise_recent)
             if self.recipe.rerotate_keys:
                 rerotation.rerotate(cache, self.spec)
         self._pending = []
@@ -292,6 +291,7 @@ class CompressedModel(Steps, nn.Module):
         if child.cache.keep_ids > self.cache.keep_ids:
             raise ValueError(f"recipe {recipe.name!r} reads the token ids of the context, which this cache did not log")
         child.cache = copy.deepcopy(self.cache)
+        child.cache.set_format(recipe.format)
         child.context_tokens, child._pending = self.context_tokens.clone(), list(self._pending)
         child.query_aware, child._observing = self.query_aware, self._observing
         if self.decoder is not None and (recipe, budget) == (self.recipe, self.budget):

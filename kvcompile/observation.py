@@ -71,7 +71,7 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
     """Around one compression: when ``scorer`` declares a ``Reconstruction``, prefill its prompt for the tokens just
     read (``input_ids``, ``real`` [B, T]) with the ring cleared, so the window holds the prompt's queries alone;
     afterwards drop the prompt's tokens (``PagedKVCache.drop_from``). ``prefill(ids, real)`` runs one prefill step."""
-    if input_ids is None or not any(isinstance(s, Reconstruction) for s in scorer.sources()):
+    if input_ids is None or scorer is None or not any(isinstance(s, Reconstruction) for s in scorer.sources()):
         yield
         return
     seen = cache.seen.clone()

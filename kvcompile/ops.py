@@ -12,7 +12,8 @@ kept tokens of every head to the front of its own pages.
 
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
 slots [L, B, Hkv, T] pool rows for the new tokens and ring_slots [B, T] ring slots (``PagedKVCache.append``);
-obs_q the ring's queries [L, B, Hq, C, D]. Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
+obs_q the ring's queries [L, B, Hq, C, D]; fmt_* the format pool, read only (``cache.formatted``: its format is
+read from its tensors, so one program serves every format). Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
 implementation (CPU, and the oracle in tests); on CUDA the decode attention and the compaction run the Triton
 kernels of ``kvcompile.kernels``.
 """
@@ -55,18 +56,19 @@ def _on_gpu(t: Tensor) -> bool:
 
 
 def _attend(
-    q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale, window,
-    packed, decode,
+    q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, fmt, layer, scale,
+    window, packed, decode,
 ):
     reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
     _observe(obs_q, layer, q, ring_slots, decode)
     args = (q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window)
-    if decode and _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not
+    stored = reference.FormatPages(*fmt[:5], fmt[5][layer], fmt[6][layer])
+    if decode and _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not, and any format
         from .kernels.triton_decode import paged_decode
 
-        return paged_decode(*args)
+        return paged_decode(*args, stored=stored)
     first_page = 1 + layer * page_table[layer].numel() if packed else None  # PagedKVCache.packed's layout
-    return reference.paged_attention(*args, first_page=first_page).contiguous()
+    return reference.paged_attention(*args, first_page=first_page, stored=stored).contiguous()
 
 
 def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
@@ -83,11 +85,13 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     def op(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
-        layer: int, scale: float, window: int,
+        fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor, fmt_table: Tensor,
+        fmt_lengths: Tensor, layer: int, scale: float, window: int,
     ) -> Tensor:
+        fmt = (fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths)
         return _attend(
-            q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, layer, scale,
-            window, packed, decode,
+            q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, fmt, layer,
+            scale, window, packed, decode,
         )
 
     if not decode:  # a triton_op's own body is its fake kernel

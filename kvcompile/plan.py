@@ -17,7 +17,7 @@ from torch import Tensor
 # protection levels: a higher level is kept first (``select``); -1 marks a slot that holds nothing
 RECENT, SINK, PINNED, PROMPT, SCORED = 4, 3, 2, 1, 0
 EMPTY = -1
-DTYPE_FORMAT = 0  # the only page format so far: the model's dtype (pool 0)
+DTYPE_FORMAT, STORED_FORMAT = 0, 1  # the pools of a plan's ``formats``: the model's dtype, the cache's page format
 
 
 @dataclass
@@ -44,9 +44,10 @@ class Plan:
     """What every head holds after a compression.
 
     keep [L, B, Hkv, K]: logical indices of the entries kept, ascending in each head's first ``counts`` [L, B, Hkv]
-    (the rest is ignored); formats [L, B, Hkv, K]: the page format (pool) of each kept entry (None: all in
-    ``DTYPE_FORMAT``); new: entries written after the kept ones (None: none). A head then holds
-    ``counts + new.counts`` entries, kept ones first, in their old order."""
+    (the rest is ignored); formats [L, B, Hkv, K]: the pool of each kept entry, ``DTYPE_FORMAT`` or
+    ``STORED_FORMAT`` (None: each stays where it is; a formatted plan also stores ``new`` in the format); new:
+    entries written after the kept ones (None: none). A head then holds ``counts + new.counts`` entries, kept ones
+    first, in their old order."""
 
     keep: Tensor
     counts: Tensor

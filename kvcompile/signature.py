@@ -4,7 +4,7 @@ Every program is ``forward(*INPUTS) -> logits``. The passes add the inputs after
 (``passes.InsertPagedAttention``), the runtime fills them from a ``cache.Step`` and the cache
 (``programs.Programs.run``), ``torch.compile`` marks the varying sizes dynamic, and ``artifact.export`` turns the
 same names into ``torch.export`` dimensions. Dimension names: batch rows, tokens of the call, pages of the pool,
-width of the page table, ring slots.
+width of the page table, ring slots, and the same two of the format pool (``cache.formatted``).
 """
 
 from __future__ import annotations
@@ -31,5 +31,8 @@ INPUTS = (
     Input("page_table", ((1, "batch"), (3, "width")), "cache"),
     Input("lengths", ((1, "batch"),), "cache"),
     Input("obs_q", ((1, "batch"), (3, "ring")), "cache"),
+    *(Input(name, ((0, "fmt_pages"),), "cache") for name in ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos")),
+    Input("fmt_table", ((1, "batch"), (3, "fmt_width")), "cache"),
+    Input("fmt_lengths", ((1, "batch"),), "cache"),
 )
 ADDED = tuple(i.name for i in INPUTS[2:])  # what the passes add after (input_ids, position_ids)

@@ -9,6 +9,7 @@ import torch
 
 import kvcompile  # noqa: F401  (registers torch.ops.kvcompile)
 from kvcompile.cache import PagedKVCache
+from kvcompile.cache.formatted import FORMAT_TENSORS
 from kvcompile.kernels import reference
 from kvcompile.plan import Plan
 
@@ -96,8 +97,11 @@ def _attention_args(T, packed=False):
     qp = torch.arange(6, 6 + T)[None]
     slots = torch.zeros(1, 1, 2, T, dtype=torch.long)
     ring_slots = qp % 2  # a ring of two slots
+    empty = PagedKVCache(1, 2, 4, 8, page_size=4)
+    empty.setup(1)
+    fmt = tuple(getattr(empty, name) for name in FORMAT_TENSORS)  # no format pool: attention skips it
     return (q, kn, vn, qp, slots, ring_slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table, cache.lengths,
-            torch.zeros(1, 1, 4, 2, 8), 0, 0.35, 0)
+            torch.zeros(1, 1, 4, 2, 8), *fmt, 0, 0.35, 0)
 
 
 @pytest.mark.parametrize("op, T", [("prefill_attention", 3), ("decode_attention", 1), ("decode_attention_packed", 1)])

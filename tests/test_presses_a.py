@@ -4,6 +4,8 @@ then each recipe end to end."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import random
 
@@ -185,14 +187,42 @@ def test_leverage_score_is_the_z_scored_exact_leverage_of_the_centred_keys(seed)
             torch.testing.assert_close(scores[b, h, :n], ref, rtol=1e-4, atol=1e-4, msg=f"head {(b, h)}")
 
 
-def test_compactor_is_the_blend_of_its_two_components(seed):
+def _without_sinks(obs, first: int = 8, last: int = 4):
+    """kvpress's slice of the Compactor's sinks, as an Observation: their keys invalid, their queries gone,
+    positions counted from the first token after the first sinks."""
+    newest = obs.positions.masked_fill(~obs.valid, -1).amax((-1, -2))
+    sink = (obs.positions < first) | (obs.positions > newest[:, None, None] - last)
+    qp = obs.query_positions
+    q_sink = (qp < first) | (qp > newest[:, None] - last) | (qp < 0)
+    return dataclasses.replace(obs, positions=obs.positions - first, valid=obs.valid & ~sink,
+                               query_positions=torch.where(q_sink, -1, qp - first)), sink
+
+
+def test_compactor_is_the_blend_of_its_two_components_over_the_tokens_between_its_sinks(seed):
     obs = make_obs(B=2, S=50, seed=seed)
     compactor = SCORERS["compactor"](chunk=16, seed=seed, blending=0.35)
-    parts = 0.35 * SCORERS["leverage-score"](seed=seed).score(obs) + SCORERS["noncausal-attention"](chunk=16).score(obs)
+    core, sink = _without_sinks(obs)
+    parts = 0.35 * SCORERS["leverage-score"](seed=seed).score(core) + SCORERS["noncausal-attention"](chunk=16).score(core)
     blend = compactor.score(obs)
     free = blend != MAX
-    assert free.sum(-1).eq(50 - 8 - 4).all()
+    assert free.sum(-1).eq(50 - 8 - 4).all() and torch.equal(free, ~sink)
     torch.testing.assert_close(blend[free], parts[free])
+
+
+def test_compactor_sinks_do_not_move_the_other_tokens_scores(seed):
+    """kvpress slices the sinks out before scoring: a sink key a hundred times longer (a real attention sink)
+    changes no other token's score."""
+    obs = make_obs(B=1, S=60, seed=seed)
+    compactor = SCORERS["compactor"](chunk=16, seed=seed)
+    before = compactor.score(obs)
+    keys, values = obs.keys.clone(), obs.values.clone()
+    keys[:, :, 0] *= 100
+    values[:, :, 0] *= 100
+    queries = obs.queries.clone()
+    queries[:, :, (obs.query_positions[0] >= 56).nonzero()[:, 0]] *= 50  # the last sinks' queries too
+    after = compactor.score(dataclasses.replace(obs, keys=keys, values=values, queries=queries))
+    free = before != MAX
+    torch.testing.assert_close(after[free], before[free], msg=f"seed {seed}")
 
 
 # -------------------------------------------------------------------------------------------- §31 cur

@@ -236,7 +236,7 @@ def test_decode_never_reads_rows_past_a_head(seed, poison):
     """Non-finite values in the rows no head may read (scratch page, spare pages, rows past each head's length)
     never reach an output: the kernel gives what the reference gives over the same pool with those rows zeroed."""
     B, Hkv, G, P, D = 2, 3, 2, 4, 16
-    lengths = special_and_zipf_lengths(B * Hkv, P, cap=40).view(B, Hkv)
+    lengths = special_and_zipf_lengths(B * Hkv, P, cap=24).view(B, Hkv)
     MAXP = max(1, (int(lengths.max()) + P - 1) // P) + 1
     k_pages, v_pages, page_pos, page_table = make_cache(lengths, P, D, MAXP, torch.float32)
     unread = k_pages == SENTINEL
@@ -249,3 +249,29 @@ def test_decode_never_reads_rows_past_a_head(seed, poison):
                                      page_pos, page_table, lengths, D**-0.5, 0)
     assert torch.isfinite(got).all(), f"seed={seed}: a poisoned unread row reached an output"
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed={seed}: {m}")
+
+
+@pytest.mark.parametrize("name, P", [("int8", 1), ("int4", 16), ("int3", 16), ("int2", 1), ("fp8", 16),
+                                     ("k8v4", 1), ("kivi2", 16)])
+def test_decode_reads_format_pages_in_registers(seed, name, P):
+    """The format pool's launch decodes its rows in the kernel: it matches the reference over the same pools
+    (model-dtype heads of lengths 0, 1, P, P + 1, ...; format heads ragged too), GQA, with a window."""
+    from kvcompile.kernels.formats import FORMATS, encode_pool
+
+    fmt, B, Hkv, G, D = FORMATS[name], 2, 3, 2, 32
+    lengths = special_and_zipf_lengths(B * Hkv, P, cap=24).view(B, Hkv)
+    MAXP = (int(lengths.max()) + P - 1) // P + 1
+    k_pages, v_pages, page_pos, page_table = make_cache(lengths, P, D, MAXP, torch.float32,
+                                                        positions=lambda b, h, L: 100 + torch.arange(L))
+    stored_lengths = special_and_zipf_lengths(B * Hkv, P, cap=40).view(B, Hkv)
+    SMAXP = (int(stored_lengths.max()) + P - 1) // P + 1
+    sk, sv, spos, stable = make_cache(stored_lengths, P, D, SMAXP, torch.float32, positions=lambda b, h, L: torch.arange(L))
+    kc, km = encode_pool(fmt.key, sk.cpu())
+    vc, vm = encode_pool(fmt.value, sv.cpu())
+    stored = reference.FormatPages(*(t.to(DEVICE) for t in (kc, km, vc, vm)), spos, stable, stored_lengths.to(DEVICE))
+    q = torch.randn(B, Hkv * G, 1, D, device=DEVICE)
+    q_pos = torch.full((B, 1), 150, device=DEVICE)
+    args = (q, q_pos, k_pages, v_pages, page_pos, page_table, lengths.to(DEVICE), D**-0.5, 120)
+    got = paged_decode(*args, max_splits=3, stored=stored)
+    want = reference.paged_attention(*args, stored=stored)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m: f"{m}\nseed={seed} {name} P={P}")

@@ -1,6 +1,7 @@
 """Byte accounting of the paged cache: every tensor it owns, what each holds, and the peaks since ``setup``.
 
-``bytes_held`` is the K/V payload of the pages that hold tokens (page rounding included: what budgets bound);
+``bytes_held`` is the K/V payload of the pages that hold tokens, in both pools (page rounding, and a page
+format's scales and zero points, included: what budgets bound);
 ``bytes_allocated`` is every byte of every tensor the cache owns, broken down into payload, free pages (the rest of
 the pool: the scratch page, reserved room), positions, tables (page tables, lengths, counters) and the observation
 ring. A test walks the cache object and checks the breakdown sums to what it really allocated.
@@ -10,6 +11,11 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..kernels.formats import get_format
+from .formatted import FORMAT_TENSORS
+
+FORMAT_KINDS = ("pages", "pages", "pages", "pages", "positions", "tables", "tables")
 
 
 class ByteAccounting:
@@ -22,16 +28,30 @@ class ByteAccounting:
 
     @property
     def token_bytes(self) -> int:
-        """Bytes of K plus V of one token of one KV head."""
+        """Bytes of K plus V of one token of one KV head in the model's dtype (what budgets are measured in)."""
         return 2 * self.head_dim * self.k_pages.element_size()
 
-    def pages_held(self) -> Tensor:
-        """[L, B, Hkv] pages that hold at least one token."""
-        return (self.lengths.long() + self.page_size - 1) // self.page_size
+    @property
+    def stored_page_bytes(self) -> int:
+        """Bytes of one page of one KV head as compression stores it: in the page format (codes, scales and zero
+        points), else the model's dtype."""
+        if self.page_format is None:
+            return self.page_bytes
+        return get_format(self.page_format).page_bytes(self.head_dim, self.page_size)
+
+    @property
+    def stored_token_bytes(self) -> int:
+        """``stored_page_bytes`` per token, rounded up (a page's metadata shared by its tokens)."""
+        return -(-self.stored_page_bytes // self.page_size)
+
+    def pages_held(self, lengths: Tensor | None = None) -> Tensor:
+        """[L, B, Hkv] model-dtype pages that hold at least one token (of ``lengths``: format pages)."""
+        return ((self.lengths if lengths is None else lengths).long() + self.page_size - 1) // self.page_size
 
     def bytes_held(self) -> Tensor:
-        """[B] bytes of K/V pages holding tokens, per sequence (page rounding included)."""
-        return self.pages_held().sum(dim=(0, 2)) * self.page_bytes
+        """[B] bytes of K/V pages holding tokens, per sequence, both pools (page rounding included)."""
+        held = self.pages_held().sum(dim=(0, 2)) * self.page_bytes
+        return held + self.pages_held(self.fmt_lengths).sum(dim=(0, 2)) * self.stored_page_bytes
 
     def budget_bytes(self, budget, tokens: Tensor) -> Tensor:
         """[B] bytes a ``budget.Budget`` lets each row hold once it has read ``tokens`` [B]."""
@@ -53,6 +73,7 @@ class ByteAccounting:
             "n_pages": (self.n_pages, "tables"), "seen": (self.seen, "tables"),
             "token_ids": (self.token_ids, "tables"),
             "ring.queries": (self.ring.queries, "ring"), "ring.positions": (self.ring.positions, "ring"),
+            **{name: (getattr(self, name), kind) for name, kind in zip(FORMAT_TENSORS, FORMAT_KINDS)},
         }
 
     def breakdown(self, held: int | None = None) -> dict[str, int]:
@@ -85,5 +106,22 @@ class ByteAccounting:
             "page_size": self.page_size,
             "pages_held": int(self.pages_held().sum()),
             "ring_queries": self.ring.capacity,
-            "lengths": self.lengths.tolist(),  # [L][B][Hkv]
+            "lengths": self.held().tolist(),  # [L][B][Hkv]
+            "formats": self.format_stats(),
         }
+
+    def format_stats(self) -> dict[str, dict]:
+        """Per pool (the model's dtype, the page format): entries held, and the bytes of their pages as codes,
+        scales and zero points ("meta"), positions."""
+        held = {str(self.dtype).removeprefix("torch."): (self.lengths, self.k_pages, self.v_pages, None, None,
+                                                         self.page_pos)}
+        if self.page_format is not None:
+            held[self.page_format] = (self.fmt_lengths, self.fmt_k, self.fmt_v, self.fmt_k_meta, self.fmt_v_meta,
+                                      self.fmt_pos)
+        out = {}
+        for name, (lengths, k, v, k_meta, v_meta, pos) in held.items():
+            pages = int(self.pages_held(lengths).sum())
+            page = lambda t: 0 if t is None else t[0].nbytes  # noqa: E731  (bytes of one page of t)
+            out[name] = {"tokens": int(lengths.long().sum()), "codes": pages * (page(k) + page(v)),
+                         "meta": pages * (page(k_meta) + page(v_meta)), "positions": pages * page(pos)}
+        return out

@@ -10,6 +10,7 @@ Layout (shape letters: L layers, B batch rows, Hkv KV heads, P page size, D head
     seen             : [B] int64             tokens row b has read: the position of its next token
     token_ids        : [B, C] int64          the token read at each position (``keep_ids`` only; C >= seen)
     ring             : ``QueryRing``         the last queries of each layer (``cache.ring``)
+    fmt_*            : the format pool       entries stored in the cache's ``page_format`` (``formatted``)
 
 Token j of head (l, b, h) sits at row j % P of page ``page_table[l, b, h, j // P]``; ``kernels.reference`` has
 the loop that rebuilds dense keys from this. Page 0 is scratch: padding writes zeros there, and page-table slots
@@ -21,8 +22,9 @@ zeros, never what another row or an earlier request left behind.
 
 The cache changes its state only through its own methods: ``setup`` (a new request), ``append`` (make room for a
 step and say where its tokens go; the program writes them), ``keep`` (apply a compression ``Plan``), ``drop_from``,
-``reserve`` / ``provision`` / ``trim`` (pages). ``stats`` reports every byte it allocates (``tensors`` names each
-tensor and what it is).
+``reserve`` / ``provision`` / ``trim`` (pages). With a ``page_format``, a head's entries are its format entries
+then its model-dtype ones (``held``, ``dense``), and ``keep`` stores what a plan puts in the format. ``stats``
+reports every byte it allocates (``tensors`` names each tensor and what it is).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..kernels import reference
-from ..plan import DTYPE_FORMAT, Plan
+from ..kernels.formats import get_format
+from ..plan import Plan
 from .accounting import ByteAccounting
+from .formatted import FORMAT_TENSORS, FormatPool
 from .pages import MIN_WIDTH, PagePool
 from .ring import QueryRing
 
@@ -50,15 +54,18 @@ class Step:
     ring_slots: Tensor
 
 
-class PagedKVCache(PagePool, ByteAccounting, nn.Module):
+class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, *,
         dtype: torch.dtype = torch.float32, page_size: int = 16, device: torch.device | str = "cpu",
-        keep_ids: bool = False,
+        keep_ids: bool = False, page_format: str | None = None,
     ):
         super().__init__()
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if page_format is not None:
+            get_format(page_format).token_bytes(head_dim)  # an unknown name or a head dim it cannot pack raises
+        self.page_format = page_format
         self.num_layers, self.num_kv_heads, self.num_q_heads = num_layers, num_kv_heads, num_q_heads
         self.head_dim, self.page_size = head_dim, page_size
         dev = torch.device(device)
@@ -71,6 +78,9 @@ class PagedKVCache(PagePool, ByteAccounting, nn.Module):
         self.register_buffer("n_pages", torch.zeros(L, 0, Hkv, dtype=torch.int64, device=dev))
         self.register_buffer("seen", torch.zeros(0, dtype=torch.int64, device=dev))
         self.register_buffer("token_ids", torch.zeros(0, 0, dtype=torch.int64, device=dev))
+        for name in FORMAT_TENSORS:
+            self.register_buffer(name, torch.zeros(0, device=dev))
+        self._empty_format_pool(0)
         self.keep_ids = keep_ids  # a method reads the token id of each held entry (``ContextTokens``)
         self.ring = QueryRing(num_layers, num_q_heads, head_dim, dtype, dev)
         self.room = 0  # tokens every head can still take without reserving pages (a host count)
@@ -101,6 +111,7 @@ class PagedKVCache(PagePool, ByteAccounting, nn.Module):
         self.seen = self.seen.new_zeros(batch_size)
         self.token_ids, self.logged = self.token_ids.new_zeros(batch_size, 0), 0
         self.ring.setup(batch_size)
+        self._empty_format_pool(batch_size)
         self.room, self.peaks = 0, {}
 
     # ------------------------------------------------------------------ steps
@@ -157,12 +168,13 @@ class PagedKVCache(PagePool, ByteAccounting, nn.Module):
     def keep(self, plan: Plan, shrink: bool = True) -> None:
         """Apply ``plan``: move each head's kept entries to the front of its pages (``ops.compact``), write its new
         entries after them, zero what is past the new lengths, give up the pages no longer needed and, with
-        ``shrink``, shrink the pool to what is owned (a decode-time schedule keeps its pool for the next tokens)."""
-        if plan.formats is not None and bool((plan.formats != DTYPE_FORMAT).any()):
-            raise NotImplementedError("this cache has one page format (the model's dtype); the plan asks for another")
+        ``shrink``, shrink the pool to what is owned (a decode-time schedule keeps its pool for the next tokens).
+        Entries the plan puts in the page format go to a new format pool first (``FormatPool._keep_formatted``)."""
         if plan.new is not None and bool((plan.new.log_weights != 0).any()):
             raise NotImplementedError("attention does not honour entry weights yet; the plan writes weighted entries")
         self._note(held=True)
+        if plan.formats is not None or self.format_used:
+            plan = self._keep_formatted(plan)
         L, B, Hkv = plan.counts.shape
         flat = (L * B, Hkv)
         ops.compact(self.k_pages, self.v_pages, self.page_pos, self.page_table.reshape(*flat, -1),
@@ -213,6 +225,8 @@ class PagedKVCache(PagePool, ByteAccounting, nn.Module):
         """Write back, in place, what layer ``layer`` holds from dense views shaped as ``dense``'s (keys, values
         [B, Hkv, S, D], positions [B, Hkv, S]); ``None`` leaves that part as it is. Entries past a head's length are
         ignored (a calibration's perturbation, key re-rotation)."""
+        if self.format_used:
+            raise NotImplementedError("rewriting entries stored in a page format is not supported")
         lengths = self.lengths[layer]
         S = next(x for x in (keys, values, positions) if x is not None).shape[2]
         index = torch.arange(S, device=self.device).expand(*lengths.shape, S)
@@ -225,10 +239,12 @@ class PagedKVCache(PagePool, ByteAccounting, nn.Module):
 
     # ------------------------------------------------------------------ reads
     def dense(self, layer: int):
-        """Dense views of one layer: keys, values [B, Hkv, S, D], positions [B, Hkv, S], valid [B, Hkv, S]."""
-        return reference.gather_dense(self.k_pages, self.v_pages, self.page_pos, self.page_table[layer],
-                                      self.lengths[layer])
+        """Dense views of one layer, format entries decoded first: keys, values [B, Hkv, S, D] (the model's
+        dtype), positions [B, Hkv, S], valid [B, Hkv, S] (each head's ``held`` entries, then padding)."""
+        return self._logical(layer, reference.gather_dense(self.k_pages, self.v_pages, self.page_pos,
+                                                           self.page_table[layer], self.lengths[layer]))
 
     def program_tensors(self) -> tuple[Tensor, ...]:
         """The tensors a program reads and writes, in the calling convention's order (``programs.CACHE_INPUTS``)."""
-        return self.k_pages, self.v_pages, self.page_pos, self.page_table, self.lengths, self.ring.queries
+        return (self.k_pages, self.v_pages, self.page_pos, self.page_table, self.lengths, self.ring.queries,
+                *(getattr(self, name) for name in FORMAT_TENSORS))

@@ -103,7 +103,8 @@ def run(
             context_key = {"model": model, "task": task.name, "length": length, "seed": seed, "sample": index,
                            "format": str(base.cache.k_pages.dtype).removeprefix("torch.")}
             keys = [{**context_key, "recipe": r.name, "version": r.version, "fingerprint": fp, "budget": str(b),
-                     "provenance": r.provenance} for (r, b), fp in zip(cells, fingerprints)]
+                     "provenance": r.provenance, "format": r.format or context_key["format"]}
+                    for (r, b), fp in zip(cells, fingerprints)]
             stored = [store is not None and store.has(k, kl=kl) for k in keys]
             timing["cells_stored"] += sum(stored)
             if all(stored):

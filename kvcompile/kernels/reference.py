@@ -19,8 +19,41 @@ one head's keys, the definition every function here follows::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+from .formats import codec_of
+
+
+class FormatPages(NamedTuple):
+    """One layer's format pool (``kvcompile.cache``): codes and metadata of keys and values [N, P, W] and
+    [N, P, M] ([N, 1, M] for a page-local codec), in the format ``formats.codec_of`` reads from them; positions
+    [N, P], page table [B, Hkv, W'], lengths [B, Hkv]. A head's entries live in its format pages and its
+    model-dtype pages: attention reads both."""
+
+    k: Tensor
+    k_meta: Tensor
+    v: Tensor
+    v_meta: Tensor
+    pos: Tensor
+    table: Tensor
+    lengths: Tensor
+
+    @property
+    def empty(self) -> bool:
+        """True when there is no format pool (a cache without a page format: a static shape, 0 pages)."""
+        return self.k.shape[0] == 0
+
+    def dense(self, head_dim: int, dtype: torch.dtype, pages: slice = slice(None)):
+        """Decoded keys, values [B, Hkv, S, D], positions and valid [B, Hkv, S] of the page-table columns
+        ``pages`` (S = their pages * P): a tile of the pool, decoded where it is read."""
+        table = self.table[..., pages]
+        k, v = ((codec_of(codes, meta, head_dim).decode(gather_pages(codes, table), gather_pages(meta, table), dtype))
+                for codes, meta in ((self.k, self.k_meta), (self.v, self.v_meta)))
+        j = (pages.start or 0) * self.pos.shape[1] + torch.arange(k.shape[2], device=k.device)
+        return k, v, gather_pages(self.pos, table).long(), j < self.lengths.unsqueeze(-1)
 
 
 def rows_of(page_table: Tensor, j: Tensor, page_size: int) -> Tensor:
@@ -31,9 +64,9 @@ def rows_of(page_table: Tensor, j: Tensor, page_size: int) -> Tensor:
 
 def gather_pages(pool: Tensor, page_table: Tensor) -> Tensor:
     """Each head's pages of ``pool`` ([N_pages, P, ...]) laid end to end: [B, Hkv, MAXP * P, ...]."""
-    B, Hkv, _ = page_table.shape
+    B, Hkv, W = page_table.shape
     rows = torch.index_select(pool.reshape(pool.shape[0], -1), 0, page_table.reshape(-1).long())  # fastest CPU copy
-    return rows.view(B, Hkv, -1, *pool.shape[2:])
+    return rows.view(B, Hkv, W * pool.shape[1], *pool.shape[2:])
 
 
 def heads_view(pool: Tensor, page_table: Tensor, first_page: int | None = None) -> Tensor:
@@ -71,6 +104,7 @@ def paged_attention(
     window: int = 0,
     block_bytes: int = 1 << 26,
     first_page: int | None = None,
+    stored: FormatPages | None = None,
 ) -> Tensor:
     """Attention of new queries over the keys each KV head holds.
 
@@ -79,8 +113,12 @@ def paged_attention(
     Hq must be a multiple of Hkv (GQA: query head i reads KV head i // (Hq // Hkv)). Returns [B, Hq, T, D]; a
     query that sees no key (a padding row, an empty head) gets zeros. A single query (T == 1) is a decode step:
     the newest token, so without a window no position check is needed. ``first_page``: the heads' pages are the
-    packed run starting there (``PagedKVCache.packed``), read in place instead of gathered.
+    packed run starting there (``PagedKVCache.packed``), read in place instead of gathered. ``stored``: the
+    layer's format pool, whose entries every head also holds (``FormatPages``; attended by ``merged_attention``).
     """
+    if stored is not None and not stored.empty:
+        dense = gather_dense(k_pages, v_pages, page_pos, page_table, lengths, first_page)
+        return merged_attention(q, q_pos, dense, stored, scale, window, block_bytes)
     B, Hq, T, D = q.shape
     if T == 1 and window == 0:  # decode of the newest token: every held key is at or before it
         keys, values = heads_view(k_pages, page_table, first_page), heads_view(v_pages, page_table, first_page)
@@ -116,6 +154,57 @@ def paged_attention(
         )
         out.append(o.nan_to_num(0.0) * mask.any(-1, keepdim=True))
     return torch.cat(out, 2)
+
+
+def merged_attention(q, q_pos, dense, stored: FormatPages, scale: float, window: int, block_bytes: int,
+                     tile_tokens: int = 1024) -> Tensor:
+    """Attention over a head's model-dtype entries (``dense``: ``gather_dense``'s views) and its format pool,
+    which is decoded one tile of pages at a time: one partial softmax state per tile, merged by log-sum-exp (the
+    split-K merge). Under ``torch.compile`` the pool is one tile (a loop over its dynamic width would specialise
+    on it)."""
+    B, Hq, T, D = q.shape
+    if torch.compiler.is_compiling():  # no Python loop over dynamic sizes: one tile, one block of queries
+        o, lse = _partial(q, q_pos, *dense, scale, window)
+        return _merge(o, lse, *_partial(q, q_pos, *stored.dense(D, q.dtype), scale, window))[0].to(q.dtype)
+    P, width = stored.pos.shape[1], stored.table.shape[-1]
+    step = max(1, tile_tokens // P)
+    tiles = [lambda: dense] + [lambda s=s: stored.dense(D, q.dtype, slice(s, s + step)) for s in range(0, width, step)]
+    Tb = max(1, block_bytes // max(1, B * Hq * 4 * (dense[0].shape[2] + min(width, step) * P)))
+    out = []
+    for t0 in range(0, T, Tb):
+        qb, pb = q[:, :, t0 : t0 + Tb], q_pos[:, t0 : t0 + Tb]
+        o, lse = None, None
+        for tile in tiles:
+            o, lse = _merge(o, lse, *_partial(qb, pb, *tile(), scale, window))
+        out.append(o.to(q.dtype))
+    return torch.cat(out, 2)
+
+
+def _partial(q, q_pos, keys, values, k_pos, valid, scale: float, window: int):
+    """Softmax attention of q [B, Hq, T, D] over one tile of keys: output [B, Hq, T, D] (fp32) and its
+    log-sum-exp [B, Hq, T] (-inf where a query sees nothing in the tile)."""
+    B, Hq, T, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    scores = torch.matmul(q.float().reshape(B, Hkv, G * T, D), keys.float().transpose(-1, -2)) * scale
+    dq, dk = q_pos.long()[:, None, :, None], k_pos[:, :, None, :]  # [B, 1, T, 1], [B, Hkv, 1, S]
+    visible = valid[:, :, None, :] & (dk <= dq)
+    if window > 0:
+        visible = visible & (dq - dk < window)
+    scores = scores.view(B, Hkv, G, T, S).masked_fill(~visible[:, :, None], float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # [B, Hkv, G, T]
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = torch.matmul(probs.view(B, Hkv, G * T, S), values.float()).view(B, Hq, T, D)
+    return out, lse.reshape(B, Hq, T)
+
+
+def _merge(o, lse, o_new, lse_new):
+    """Merge two partial softmax states by log-sum-exp (an empty one has lse -inf and output 0)."""
+    if o is None:
+        return o_new, lse_new
+    total = torch.logaddexp(lse, lse_new)
+    a, b = (torch.exp(x - total).nan_to_num(0.0)[..., None] for x in (lse, lse_new))
+    return o * a + o_new * b, total
 
 
 def _fresh_causal(q_pos: Tensor, k_pos: Tensor, lengths: Tensor, T: int) -> bool:

@@ -18,6 +18,11 @@ launches without a host sync and can be captured in a CUDA graph.
 
 A query head that sees no key (length 0, or every key masked by causality or the window) gets zeros, as in the
 reference.
+
+A format pool (``reference.FormatPages``: entries stored in a page format) gets a stage-1 launch of its own,
+with the format's layout as constants, whose splits follow the model-dtype pool's in the work buffers; the one
+stage 2 merges them all (Minima-KV's merge is this split-K merge). Its rows are decoded in registers
+(``_load_rows``): the K/V traffic is the stored bytes plus their scales, and no dequantized copy is written.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
+
+from .formats import ChannelCodec, Fp8Codec, IntCodec, codec_of
 
 BLOCK_N = 32  # tokens per K/V tile
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
@@ -42,13 +49,48 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn, stride_mp,
+               D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """A [BLOCK_N, BLOCK_D] fp32 tile of stored rows, decoded in registers (``kernels.formats``): BITS 0 reads
+    the rows as they are (a float dtype, float8 included, with an fp32 scale per row when GROUP is 1 -- fp8),
+    BITS 8/4/2 unpack plane ``d // W`` of byte ``d % W`` (W = D * BITS / 8) and 3 joins a 2-bit and a 1-bit
+    plane, then apply the fp16 scale and minimum of channel d's group of GROUP (GROUP -1: of channel d in the
+    row's page, KIVI's keys)."""
+    base = ptr + page[:, None] * stride_n + row[:, None] * stride_p
+    if GROUP == -1:
+        meta = meta_ptr + page[:, None] * stride_mn  # one metadata row per page
+    else:
+        meta = meta_ptr + page[:, None] * stride_mn + row[:, None] * stride_mp
+    if BITS == 0:
+        x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GROUP == 1:  # fp8: one fp32 scale per row
+            x = x * tl.load(meta + 0 * d[None, :], mask=mask, other=0.0)
+        return x
+    if BITS == 3:
+        W2: tl.constexpr = D // 4
+        W1: tl.constexpr = D // 8
+        lo = (tl.load(base + (d % W2)[None, :], mask=mask, other=0) >> ((d // W2) * 2)[None, :].to(tl.uint8)) & 3
+        hi = (tl.load(base + (W2 + d % W1)[None, :], mask=mask, other=0) >> (d // W1)[None, :].to(tl.uint8)) & 1
+        q = lo | (hi << 2)
+    else:
+        W: tl.constexpr = D * BITS // 8
+        q = (tl.load(base + (d % W)[None, :], mask=mask, other=0) >> ((d // W) * BITS)[None, :].to(tl.uint8)) \
+            & ((1 << BITS) - 1)
+    group = d[None, :] if GROUP == -1 else (d // GROUP)[None, :]
+    scale = tl.load(meta + 2 * group, mask=mask, other=0.0).to(tl.float32)
+    low = tl.load(meta + 2 * group + 1, mask=mask, other=0.0).to(tl.float32)
+    return q.to(tl.float32) * scale + low
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, q_pos_ptr, k_ptr, v_ptr, page_pos_ptr, page_table_ptr, lengths_ptr, part_out_ptr, part_lse_ptr,
-    scale, window,
-    stride_qb, stride_qh, stride_kn, stride_kp, stride_vn, stride_vp,
+    q_ptr, q_pos_ptr, k_ptr, v_ptr, k_meta_ptr, v_meta_ptr, page_pos_ptr, page_table_ptr, lengths_ptr, part_out_ptr,
+    part_lse_ptr, scale, window,
+    stride_qb, stride_qh, stride_kn, stride_kp, stride_vn, stride_vp, stride_kmn, stride_kmp, stride_vmn, stride_vmp,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr, MAXP: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, V_BITS: tl.constexpr,
+    V_GROUP: tl.constexpr, FIRST_SPLIT: tl.constexpr, ALL_SPLITS: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -77,10 +119,10 @@ def _decode_split_kernel(
         k_pos = tl.load(page_pos_ptr + page * P + j % P, mask=j_ok, other=0)
         visible = j_ok & (k_pos <= q_pos) & (q_pos - k_pos < window)
         kv_ok = visible[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + page[:, None] * stride_kn + (j % P)[:, None] * stride_kp + d[None, :],
-                    mask=kv_ok, other=0.0)
-        v = tl.load(v_ptr + page[:, None] * stride_vn + (j % P)[:, None] * stride_vp + d[None, :],
-                    mask=kv_ok, other=0.0)
+        k = _load_rows(k_ptr, k_meta_ptr, page, j % P, d, kv_ok, stride_kn, stride_kp, stride_kmn, stride_kmp,
+                       D, K_BITS, K_GROUP)
+        v = _load_rows(v_ptr, v_meta_ptr, page, j % P, d, kv_ok, stride_vn, stride_vp, stride_vmn, stride_vmp,
+                       D, V_BITS, V_GROUP)
         s = _dot(q, tl.trans(k.to(q.dtype)), F32_DOT) * scale  # [BLOCK_G, BLOCK_N] fp32
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -94,7 +136,7 @@ def _decode_split_kernel(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    row = (bh * G + g) * MAX_SPLITS + split  # [B, Hkv, G, MAX_SPLITS] flattened
+    row = (bh * G + g) * ALL_SPLITS + FIRST_SPLIT + split  # [B, Hkv, G, ALL_SPLITS] flattened
     tl.store(part_lse_ptr + row, lse, mask=g_ok)
     tl.store(part_out_ptr + row[:, None] * D + d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
 
@@ -131,38 +173,63 @@ def paged_decode(
     *,
     out: Tensor | None = None,
     max_splits: int = 16,
+    stored=None,
 ) -> Tensor:
     """Decode attention of one new token per batch row; ``reference.paged_attention`` with T == 1.
 
     q: [B, Hq, 1, D]; q_pos: [B, 1]; k_pages, v_pages: [N_pages, P, D]; page_pos: [N_pages, P];
     page_table: [B, Hkv, MAXP]; lengths: [B, Hkv]. Returns ``out`` (allocated if None): [B, Hq, 1, D], q's dtype.
-    Query heads that see no key get zeros.
+    Query heads that see no key get zeros. ``stored``: the layer's format pool (``reference.FormatPages``), read
+    by a second stage-1 launch that decodes its rows in registers into splits of their own; stage 2 merges both.
     """
     B, Hq, T, D = q.shape
     _, Hkv, MAXP = page_table.shape
-    P = k_pages.shape[1]
     assert T == 1 and Hq % Hkv == 0, "one query token per row, Hq a multiple of Hkv"
     assert q.stride(-1) == 1 and k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1
     G = Hq // Hkv
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
-    page_pos, page_table, lengths, q_pos = (t.contiguous() for t in (page_pos, page_table, lengths, q_pos))
-    part_out = torch.empty(B, Hkv, G, max_splits, D, device=q.device, dtype=torch.float32)
-    part_lse = torch.empty(B, Hkv, G, max_splits, device=q.device, dtype=torch.float32)
+    q_pos = q_pos.contiguous()
+    pools = [(k_pages, None, v_pages, None, page_pos, page_table, lengths)]
+    if stored is not None and not stored.empty:
+        pools.append(tuple(stored))
+    splits = max_splits * len(pools)
+    part_out = torch.empty(B, Hkv, G, splits, D, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(B, Hkv, G, splits, device=q.device, dtype=torch.float32)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    wrap_triton(_decode_split_kernel)[(B * Hkv, max_splits)](
-        q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, part_out, part_lse,
-        scale, window if window > 0 else 2**31 - 1,  # no window: every causal key is in range
-        q.stride(0), q.stride(1), k_pages.stride(0), k_pages.stride(1), v_pages.stride(0), v_pages.stride(1),
-        HKV=Hkv, G=G, D=D, P=P, MAXP=MAXP, MAX_SPLITS=max_splits,
-        BLOCK_G=max(MIN_ROWS, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-        # CPU tensors only run under the Triton interpreter, whose tl.dot (triton 3.9) multiplies bf16 operands
-        # as their raw uint16 bits; feed it fp32 there (same rounding of p, exact products).
-        F32_DOT=q.device.type == "cpu" and q.dtype == torch.bfloat16,
-    )
+    for i, (k, k_meta, v, v_meta, pos, table, lens) in enumerate(pools):
+        (k_bits, k_group), (v_bits, v_group) = _layout(k, k_meta, D), _layout(v, v_meta, D)
+        k_meta, v_meta = (k if k_meta is None else k_meta), (v if v_meta is None else v_meta)
+        pos, table, lens = (t.contiguous() for t in (pos, table, lens))
+        wrap_triton(_decode_split_kernel)[(B * Hkv, max_splits)](
+            q, q_pos, k, v, k_meta, v_meta, pos, table, lens, part_out, part_lse,
+            scale, window if window > 0 else 2**31 - 1,  # no window: every causal key is in range
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_meta.stride(0), k_meta.stride(1), v_meta.stride(0), v_meta.stride(1),
+            HKV=Hkv, G=G, D=D, P=k.shape[1], MAXP=table.shape[-1], MAX_SPLITS=max_splits,
+            BLOCK_G=max(MIN_ROWS, triton.next_power_of_2(G)), BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+            # CPU tensors only run under the Triton interpreter, whose tl.dot (triton 3.9) multiplies bf16
+            # operands as their raw uint16 bits; feed it fp32 there (same rounding of p, exact products).
+            F32_DOT=q.device.type == "cpu" and q.dtype == torch.bfloat16,
+            K_BITS=k_bits, K_GROUP=k_group, V_BITS=v_bits, V_GROUP=v_group,
+            FIRST_SPLIT=i * max_splits, ALL_SPLITS=splits,
+        )
     wrap_triton(_decode_merge_kernel)[(B * Hq,)](
         part_out, part_lse, out, out.stride(0), out.stride(1),
-        HQ=Hq, D=D, MAX_SPLITS=max_splits, BLOCK_S=triton.next_power_of_2(max_splits), BLOCK_D=BLOCK_D,
+        HQ=Hq, D=D, MAX_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
     )
     return out
+
+
+def _layout(codes: Tensor, meta: Tensor | None, head_dim: int) -> tuple[int, int]:
+    """(BITS, GROUP) constants of ``_load_rows`` for rows stored by ``formats.codec_of(codes, meta)``: (0, 0) a
+    float dtype, (0, 1) fp8 with a row scale, (bits, group) the integer codecs, (bits, -1) per-channel pages."""
+    if meta is None:
+        return 0, 0
+    codec = codec_of(codes, meta, head_dim)
+    if isinstance(codec, ChannelCodec):
+        return codec.bits, -1
+    if isinstance(codec, IntCodec):
+        return codec.bits, head_dim // (meta.shape[-1] // 2)
+    return (0, 1) if isinstance(codec, Fp8Codec) else (0, 0)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 import torch.nn.functional as F
 
 from .base import Observation, Scorer, pool_groups, protect, register_scorer
@@ -17,7 +19,9 @@ class Compactor(Scorer):
     approximated through a right Gaussian sketch of width ``sketch``; ``attention`` = non-causal attention within
     position chunks of ``chunk`` tokens, summed over the observed prompt queries (up to ``window``), times ||v||,
     smoothed over 3 neighbours; z = z-score over the head's held tokens. The first ``sinks_start`` and last
-    ``sinks_end`` tokens are always kept. Defaults follow kvpress's ``CompactorPress``.
+    ``sinks_end`` tokens are always kept and, as kvpress slices them out, take no part in the scores: not in the
+    key centring, the chunks (which start after the first sinks), the attention's softmax or queries, the
+    smoothing or the z-score statistics. Defaults follow kvpress's ``CompactorPress``.
 
     Inferred: (1) the paper's leverage is over pre-RoPE keys; kvcompile holds post-RoPE keys and uses those.
     (2) kvpress sets blending to the compression ratio, which a scorer does not know; ``blending`` is fixed (0.35
@@ -45,22 +49,34 @@ class Compactor(Scorer):
         G = total.shape[1] // obs.keys.shape[1]
         return total * obs.values.float().norm(dim=-1).repeat_interleave(G, 1)
 
-    def _blend(self, attention, obs: Observation):
-        G = attention.shape[1] // obs.keys.shape[1]
-        valid = obs.valid.repeat_interleave(G, 1)
-        smooth = F.avg_pool1d(attention, 3, stride=1, padding=1, count_include_pad=False)
-        g = torch.Generator(device=obs.keys.device).manual_seed(self.seed + obs.layer)
-        lev = leverage(obs.keys, obs.valid, self.sketch, g).repeat_interleave(G, 1)
-        scores = self.blending * zscore(lev, valid) + zscore(smooth, valid)
-        last = obs.positions.masked_fill(~obs.valid, -1).amax(-1, keepdim=True)
-        kept = (obs.positions < self.sinks_start) | (obs.positions > last - self.sinks_end)
-        return protect(scores, kept.repeat_interleave(G, 1))
+    def _without_sinks(self, obs: Observation) -> tuple[Observation, Tensor]:
+        """``obs`` with the sinks left out (their keys invalid, their queries gone, positions counted from the
+        first token after the first sinks: kvpress's slice), and the sinks [B, Hkv, S]."""
+        last = obs.positions.masked_fill(~obs.valid, -1).amax((-1, -2))  # [B]: each row's newest position
+        sinks = (obs.positions < self.sinks_start) | (obs.positions > last[:, None, None] - self.sinks_end)
+        qp = obs.query_positions
+        q_sink = (qp < self.sinks_start) | (qp > last[:, None] - self.sinks_end)
+        core = dataclasses.replace(obs, positions=obs.positions - self.sinks_start, valid=obs.valid & ~sinks,
+                                   query_positions=torch.where(q_sink | (qp < 0), -1, qp - self.sinks_start))
+        return core, sinks
+
+    def _blend(self, attention, core: Observation, sinks: Tensor):
+        G = attention.shape[1] // core.keys.shape[1]
+        valid = core.valid.repeat_interleave(G, 1).float()
+        pool = lambda x: F.avg_pool1d(x, 3, stride=1, padding=1, count_include_pad=False)  # noqa: E731
+        smooth = pool(attention * valid) / pool(valid).clamp_min(1e-12)  # the mean over free neighbours only
+        g = torch.Generator(device=core.keys.device).manual_seed(self.seed + core.layer)
+        lev = leverage(core.keys, core.valid, self.sketch, g).repeat_interleave(G, 1)
+        scores = self.blending * zscore(lev, valid.bool()) + zscore(smooth, valid.bool())
+        return protect(scores, sinks.repeat_interleave(G, 1))
 
     def score_per_query_head(self, obs: Observation):
-        return self._blend(self._attention(obs), obs)
+        core, sinks = self._without_sinks(obs)
+        return self._blend(self._attention(core), core, sinks)
 
     def score(self, obs: Observation):
-        return self._blend(pool_groups(self._attention(obs), obs.keys.shape[1]), obs)
+        core, sinks = self._without_sinks(obs)
+        return self._blend(pool_groups(self._attention(core), obs.keys.shape[1]), core, sinks)
 
 
 def leverage(keys, valid, sketch: int, generator: torch.Generator | None = None):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .builtin import RECIPES
 from .recipe import PROVENANCE, Recipe
 
-__all__ = ["PROVENANCE", "RECIPES", "Recipe", "WRAPPERS", "compose", "get_recipe", "prefill_decoding", "recipes"]
+__all__ = ["PROVENANCE", "RECIPES", "Recipe", "WRAPPERS", "compose", "get_recipe", "in_format", "prefill_decoding", "recipes"]
 
 
 def get_recipe(recipe: str | Recipe) -> Recipe:
@@ -32,4 +32,4 @@ def recipes() -> dict[str, Recipe]:
     return dict(RECIPES)
 
 
-from .compose import WRAPPERS, compose, prefill_decoding  # noqa: E402  (compositions build on the recipes above)
+from .compose import WRAPPERS, compose, in_format, prefill_decoding  # noqa: E402  (compositions build on the recipes above)

@@ -17,6 +17,8 @@ _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts
 #   adakv-snapkv, adakv-expected-attention, kvzip: 25dfcbb, pinned tokens beyond a budget go round-robin between
 #     heads (``pooled_rank``) instead of all to the first head.
 #   adakv-criticalkv: both.
+#   compactor: the 8 + 4 sinks take no part in the scores (key centring, chunks, attention and its queries,
+#     smoothing, z-score statistics), as kvpress slices them out; before, they widened every statistic.
 # Version 3:
 #   kvzip: the reconstruction replays every token read since the last compression (with prefill_chunk, chunks that
 #     fit the budget are reconstructed with the next one), not only the chunk just read.
@@ -75,7 +77,7 @@ _BUILTIN = [
     Recipe(
         "compactor", "compactor",
         scorer_args={"sinks_start": 8, "sinks_end": 4, "chunk": 256, "sketch": 48, "blending": 0.35, "window": 8192},
-        source="https://arxiv.org/abs/2507.08143", provenance="peer",
+        version=2, source="https://arxiv.org/abs/2507.08143", provenance="peer",
         inferred="post-RoPE keys; blending fixed at 0.35, where kvpress uses the compression ratio; z-scores per head",
     ),
     Recipe(
@@ -212,5 +214,12 @@ _BUILTIN = [
            source="https://arxiv.org/abs/2609.03494", provenance="abstract",
            inferred="the method from a full-text summary; betas, working set, threshold, floor, max_share, "
                     "token-level eviction"),
+    *(Recipe(f"kivi{bits}", None, format=f"kivi{bits}", precise_recent=128, source="https://arxiv.org/abs/2402.02750",
+             provenance="abstract",
+             inferred="KIVI's layout as research/formats.md reports it (its code was not read here): keys per "
+                      "channel over one page of P tokens (KIVI: groups of 32 tokens), values per token in groups "
+                      "of 32 channels, fp16 scale and minimum; the newest 128 tokens stay in the model's dtype "
+                      "until the next compression (KIVI quantizes every full group while decoding)")
+      for bits in (2, 4)),
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILTIN}

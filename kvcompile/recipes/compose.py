@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..kernels.formats import FORMATS, get_format
 from . import RECIPES, Recipe, get_recipe
 
 _PINS = "the base's pinned tokens rank first, their scores left out of the chunks' (kvpress adds max + 1 to them)"
@@ -82,8 +83,23 @@ def prefill_decoding(prefill: str | Recipe, decoding: str | Recipe) -> Recipe:
 
 
 def parse(name: str) -> Recipe:
-    """``"chunkkv+snapkv"`` -> ``compose("chunkkv", "snapkv")``."""
-    return compose(*name.split("+"))
+    """``"chunkkv+snapkv"`` -> ``compose("chunkkv", "snapkv")``; a page format named last stores what the
+    recipe keeps in it: ``"snapkv+int4"`` -> ``in_format("snapkv", "int4")``."""
+    *parts, last = name.split("+")
+    if last in FORMATS:
+        return in_format("+".join(parts), last)
+    return compose(*parts, last)
+
+
+def in_format(recipe: str | Recipe, page_format: str) -> Recipe:
+    """``recipe`` storing what it keeps in ``page_format`` (``kernels.formats``), the budget still bytes of the
+    model's dtype: ``in_format("snapkv", "int4")`` at ``budget=0.25`` keeps as many int4 tokens as fit a quarter
+    of the context's bytes. ``in_format("full", ...)`` quantizes without evicting."""
+    base, fmt = get_recipe(recipe), get_format(page_format)
+    if base.format is not None:
+        raise ValueError(f"recipe {base.name!r} already stores {base.format} pages")
+    return dataclasses.replace(base, name=f"{base.name}+{page_format}", format=page_format,
+                               version=base.version + fmt.version - 1)
 
 
 def _wrap(name: str, base: Recipe, args: dict) -> Recipe:

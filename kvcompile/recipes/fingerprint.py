@@ -24,13 +24,15 @@ import textwrap
 import types
 from pathlib import Path
 
+from ..kernels.formats import FORMATS, get_format
 from ..methods import ALLOCATORS, SCORERS
 from ..methods.decoding import POLICIES
 from ..rerotation import rerotate
 from . import RECIPES, Recipe
-from .compose import WRAPPERS
+from .compose import WRAPPERS, parse
 
-RECORDED = {**RECIPES, **WRAPPERS}  # built-in recipes and wrapper templates (their names never collide)
+# built-in recipes, wrapper templates and the quantize-only recipe of every page format (names never collide)
+RECORDED = {**RECIPES, **WRAPPERS, **{f"full+{name}": parse(f"full+{name}") for name in FORMATS}}
 
 RECORD = Path(__file__).with_name("fingerprints.json")
 RECORD_COMMAND = "python -m kvcompile.recipes.fingerprint --record"
@@ -41,7 +43,8 @@ def behaviour(recipe: Recipe) -> dict:
     """The fields that decide what a recipe does: not its name, version, source or provenance."""
     fields = {"scorer": recipe.scorer, "allocator": recipe.allocator, "scorer_args": recipe.scorer_args,
               "allocator_args": recipe.allocator_args, "decode": recipe.decode}
-    optional = {"prefill_chunk": recipe.prefill_chunk, "rerotate_keys": recipe.rerotate_keys}
+    optional = {"prefill_chunk": recipe.prefill_chunk, "rerotate_keys": recipe.rerotate_keys,
+                "format": recipe.format and repr(get_format(recipe.format)), "precise_recent": recipe.precise_recent}
     return fields | {k: v for k, v in optional.items() if v}  # unset, they leave earlier fingerprints alone
 
 
@@ -52,6 +55,8 @@ def code_roots(recipe: Recipe) -> list[type]:
     roots += [SCORERS[recipe.scorer]] if recipe.scorer else []
     roots += [POLICIES[recipe.decode["policy"]]] if recipe.decode else []
     roots += [rerotate] if recipe.rerotate_keys else []
+    page_format = get_format(recipe.format) if recipe.format else None
+    roots += [type(page_format.key), type(page_format.value)] if page_format else []
     return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args, recipe.decode or {}]) if s in SCORERS]
 
 

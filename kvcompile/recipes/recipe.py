@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..kernels.formats import get_format
 from ..methods import ALLOCATORS, SCORERS
 from ..schedule import DecodeSchedule
 
@@ -33,6 +34,8 @@ class Recipe:
     inferred: str = ""  # what the recipe fills in beyond its evidence ("" = nothing)
     prefill_chunk: int | None = None  # prefill this many tokens at a time (``apply``'s default for this recipe)
     rerotate_keys: bool = False  # after compressing, move kept keys to contiguous positions (``kvcompile.rerotation``)
+    format: str | None = None  # store what compression keeps in this page format (``kernels.formats``; None: dtype)
+    precise_recent: int = 0  # with a format: the newest tokens stay in the model's dtype (KIVI's residual window)
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:
@@ -41,6 +44,11 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: unknown scorer {self.scorer!r}; known: {sorted(SCORERS)}")
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"recipe {self.name!r}: unknown allocator {self.allocator!r}; known: {sorted(ALLOCATORS)}")
+        if self.format is not None:
+            get_format(self.format)
+        if self.precise_recent and (self.format is None or self.scorer is not None):
+            raise ValueError(f"recipe {self.name!r}: precise_recent keeps recent tokens out of a page format; it "
+                             "needs a format and (for now) a recipe that evicts nothing")
         if self.decode is not None:
             try:
                 DecodeSchedule(**self.decode)
@@ -49,6 +57,7 @@ class Recipe:
 
     def __str__(self) -> str:
         decode = f" + decode {self.decode['policy']}" if self.decode else ""
+        decode += f" in {self.format} pages" if self.format else ""
         inferred = f"; inferred: {self.inferred}" if self.inferred else ""
         methods = f"{self.scorer or 'nothing evicted'} + {self.allocator}{decode}"
         return f"{self.tag}: {methods} ({self.provenance}{inferred})"

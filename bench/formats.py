@@ -1,0 +1,198 @@
+"""Eviction, quantization and both, at equal bytes: which spends a KV byte budget best, on a real model.
+
+Every cell's budget is bytes of the model's dtype (fp32 here), so ``budget=0.25`` means a quarter of the full
+cache's bytes whatever the cell stores: evict-only (``snapkv``: fewer fp32 tokens), quantize-only (``full+int4``:
+every token, in fewer bits; only where every token fits), or both (``snapkv+int4``: as many int4 tokens as fit).
+Cells run through ``kvcompile.eval.sweep`` (one shared prefill per context, every cell forked from it, the
+question read after compression), on the offline needle and pass-key tasks with next-token KL against the full
+cache.
+
+    python bench/formats.py --samples 20 --length 1024
+
+Writes ``bench/results/formats.{json,md,png}``. ``--speed`` instead times decode over each format at the same
+token count (every token kept: budget 1.0), eager and compiled, in one run on one machine, against the model-dtype
+pages: ``bench/results/formats_speed.{json,md}``.
+
+    python bench/formats.py --speed --batch 4 --context 2048 --steps 8 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import kvcompile
+from kvcompile.budget import Budget
+from kvcompile.eval import sweep
+from kvcompile.kernels.formats import get_format
+
+RESULTS = Path(__file__).parent / "results"
+EVICT = "snapkv"
+FORMATS = ("int8", "int4", "int3", "int2")
+QUANTIZE_ONLY = ("int4", "int3")  # int8 fits only at 0.5; int2 (per-token keys) fails everywhere: see the docs
+BUDGETS = (0.5, 0.25, 0.125, 0.1, 0.0625)
+
+
+def family(recipe: str) -> str:
+    if recipe == "full":
+        return "reference"
+    if recipe == EVICT:
+        return "evict"
+    return "quantize" if recipe.startswith("full+") else "both"
+
+
+def cells(head_dim: int) -> list[tuple[str, float]]:
+    """(recipe, budget) pairs: eviction and eviction + every format at every budget, quantize-only where every
+    token fits (below the budget by a page of rounding's margin)."""
+    out = [(EVICT, b) for b in BUDGETS]
+    out += [(f"{EVICT}+{f}", b) for f in FORMATS for b in BUDGETS]
+    for f in QUANTIZE_ONLY:
+        share = get_format(f).token_bytes(head_dim, 16) / (2 * head_dim * 4)
+        out += [(f"full+{f}", b) for b in BUDGETS if share <= 0.95 * b]
+    return out
+
+
+def markdown(rows: list[dict], config: dict) -> str:
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    by = {(r["recipe"], r["budget"], r["task"]): r for r in rows}
+    keys = list(dict.fromkeys((r["recipe"], r["budget"]) for r in rows))
+    lines = [f"# Eviction vs quantization at equal bytes ({config['model']}, {config['length']} tokens, "
+             f"{config['n_samples']} samples per task)", "",
+             "Budget = bytes of the fp32 cache. held/full = K/V bytes held (codes, scales and zero points) over the "
+             "full cache's.", "",
+             "| family | recipe | budget | " + " | ".join(tasks) + " | mean | KL mean | held / full |",
+             "|---|---|---|" + "---|" * (len(tasks) + 3)]
+    for recipe, budget in sorted(keys, key=lambda k: (-float(k[1]), family(k[0]), k[0])):
+        cells_ = [by.get((recipe, budget, t)) for t in tasks]
+        scores = [c["score"] for c in cells_ if c and c["score"] is not None]
+        kls = [c["kl_mean"] for c in cells_ if c and c["kl_mean"] is not None]
+        held = [c["held_fraction"] for c in cells_ if c and c["held_fraction"] is not None]
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        lines.append(f"| {family(recipe)} | {recipe} | {budget} | "
+                     + " | ".join(fmt(c and c["score"]) for c in cells_)
+                     + f" | {fmt(sum(scores) / len(scores) if scores else None)}"
+                     + f" | {fmt(sum(kls) / len(kls) if kls else None)} | {fmt(max(held) if held else None)} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series: dict[str, list] = {}
+    for r in rows:
+        series.setdefault(r["recipe"], []).append(r)
+    for recipe, rs in sorted(series.items()):
+        points = {}
+        for r in rs:
+            points.setdefault(r["budget"], []).append(r)
+        xy = sorted((max(x["held_fraction"] or 0 for x in v), sum(x["score"] or 0 for x in v) / len(v))
+                    for v in points.values())
+        style = {"evict": "-o", "quantize": "--s", "both": ":^", "reference": "k*"}[family(recipe)]
+        ax.plot(*zip(*xy), style, label=recipe)
+    ax.set_xscale("log")
+    ax.set_xlabel("K/V bytes held / full fp32 cache")
+    ax.set_ylabel("score (mean of tasks)")
+    ax.set_title("Score against bytes: evict, quantize, both")
+    ax.legend(fontsize=7, ncol=2, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+SPEED_RECIPES = ("full", "full+fp8", "full+int8", "full+int4", "kivi2")
+
+
+def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, compiled: bool) -> dict:
+    """Decode ms/token of every recipe of ``SPEED_RECIPES`` forked from one shared prefill of ``batch`` random
+    rows of ``context`` tokens: the median over ``rounds`` of ``steps`` decode steps each."""
+    import statistics
+    import time
+
+    import torch
+
+    model, _ = kvcompile.load_model(model_name)
+    base = kvcompile.apply(model, budget=1.0, recipe="full")
+    ids = torch.randint(10, 1000, (batch, context), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base.prefill(ids, compress=False, logits="last")
+    rows = []
+    for mode in ("eager", "compiled") if compiled else ("eager",):
+        for recipe in SPEED_RECIPES:
+            cm = base.fork(recipe, 1.0, compile=mode == "compiled")
+            cm.compress()
+            held = cm.cache_stats()["bytes_held"]
+            nxt = torch.full((batch, 1), 42)
+            with torch.no_grad():
+                cm.decode(nxt)  # warm-up (compiles)
+                times = []
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        cm.decode(nxt)
+                    times.append((time.perf_counter() - t0) / steps * 1e3)
+            rows.append({"mode": mode, "recipe": recipe, "ms_per_token": statistics.median(times),
+                         "rounds_ms": times, "bytes_held": held})
+            print(rows[-1])
+    for row in rows:
+        ref = next(r for r in rows if r["mode"] == row["mode"] and r["recipe"] == "full")
+        row["vs_model_dtype"] = row["ms_per_token"] / ref["ms_per_token"]
+    return {"config": {"model": model_name, "batch": batch, "context": context, "steps": steps, "rounds": rounds,
+                       "threads": torch.get_num_threads()}, "rows": rows}
+
+
+def speed_markdown(result: dict) -> str:
+    c = result["config"]
+    lines = [f"# Decode over page formats ({c['model']}, batch {c['batch']}, {c['context']} tokens kept, "
+             f"{c['threads']} threads)", "",
+             "| mode | recipe | ms / token | vs model-dtype pages | K/V bytes held (MiB) |", "|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['mode']} | {r['recipe']} | {r['ms_per_token']:.1f} | {r['vs_model_dtype']:.2f}x "
+                     f"| {r['bytes_held'] / 2**20:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--samples", type=int, default=20)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--tasks", default="niah_single_1,passkey")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--speed", action="store_true", help="time decode over each format instead")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="with --speed: eager only")
+    args = parser.parse_args()
+    if args.speed:
+        result = speed(args.model, args.batch, args.context, args.steps, args.rounds, not args.no_compile)
+        out = Path(args.out or RESULTS / "formats_speed")
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        out.with_suffix(".md").write_text(speed_markdown(result))
+        print(speed_markdown(result))
+        return
+    model, tokenizer = kvcompile.load_model(args.model)
+    cm = kvcompile.apply(model, budget=1.0, recipe="full")
+    grid = cells(cm.spec.head_dim)
+    # the sweep runs every recipe at every budget; a quantize-only cell whose tokens do not fit fails fast
+    # (``apply`` refuses it) and is left out of the table
+    result = sweep.run(cm, tokenizer, sorted({r for r, _ in grid}), list(BUDGETS), args.tasks.split(","),
+                       n_samples=args.samples, length=args.length, kl=True, model=args.model)
+    wanted = {(r, str(Budget.parse(b))) for r, b in grid} | {("full", "1")}
+    rows = [r for r in result["rows"] if (r["recipe"], r["budget"]) in wanted]
+    config = {**result["config"], "model": args.model}
+    out = Path(args.out or RESULTS / "formats")
+    out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows, "timing": result["timing"]},
+                                                   indent=1))
+    out.with_suffix(".md").write_text(markdown(rows, config))
+    plot([r for r in rows if r["recipe"] != "full"], out.with_suffix(".png"))
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
