@@ -149,7 +149,7 @@ class FormatPool:
         meta) for a row-local codec, their decoded fp32 rows (and no meta) for a page-local one."""
         out = []
         for codes, meta, codec in self._parts():
-            if getattr(codec, "page_local", False):
+            if codec.page_local:
                 pages = meta[rows // self.page_size]  # [n, 1, M]: each row's page metadata
                 out += [codec.decode(codes.flatten(0, 1)[rows][:, None], pages, torch.float32)[:, 0], None]
             else:
@@ -160,7 +160,7 @@ class FormatPool:
         """Fresh entries as ``_moved_rows`` gives moved ones: encoded rows, or fp32 rows for a page-local codec."""
         out = []
         for x, (_, _, codec) in zip((keys, values), self._parts()):
-            out += [x.float(), None] if getattr(codec, "page_local", False) else [*codec.encode(x.float())]
+            out += [x.float(), None] if codec.page_local else [*codec.encode(x.float())]
         return tuple(out)
 
     def _lay_out(self, entries, counts: Tensor) -> None:
@@ -176,7 +176,7 @@ class FormatPool:
         self.fmt_table = torch.where(j < pages[..., None], base.view(*pages.shape, 1) + j, 0).to(torch.int32)
         self.fmt_lengths = counts.to(torch.int32)
         total = max(1 + int(pages.sum()), MIN_PAGES)
-        local = [getattr(codec, "page_local", False) for _, _, codec in self._parts()]
+        local = [codec.page_local for _, _, codec in self._parts()]
         fresh = [t.new_zeros(total, *t.shape[1:]) for t in self._fmt_rows()]
         dense = [torch.zeros(total, P, D, device=self.device) if on else None for on in local]
         valid = torch.zeros(total * P, dtype=torch.bool, device=self.device)

@@ -36,7 +36,6 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..kernels import reference
-from ..kernels.formats import get_format
 from ..plan import Plan
 from .accounting import ByteAccounting
 from .formatted import FORMAT_TENSORS, FormatPool
@@ -63,9 +62,7 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         super().__init__()
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        if page_format is not None:
-            get_format(page_format).token_bytes(head_dim)  # an unknown name or a head dim it cannot pack raises
-        self.page_format = page_format
+        self.page_format = None
         self.num_layers, self.num_kv_heads, self.num_q_heads = num_layers, num_kv_heads, num_q_heads
         self.head_dim, self.page_size = head_dim, page_size
         dev = torch.device(device)
@@ -81,6 +78,7 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         for name in FORMAT_TENSORS:
             self.register_buffer(name, torch.zeros(0, device=dev))
         self._empty_format_pool(0)
+        self.set_format(page_format)  # an unknown name or a head dim it cannot pack raises here
         self.keep_ids = keep_ids  # a method reads the token id of each held entry (``ContextTokens``)
         self.ring = QueryRing(num_layers, num_q_heads, head_dim, dtype, dev)
         self.room = 0  # tokens every head can still take without reserving pages (a host count)

@@ -31,8 +31,17 @@ SCALE_FLOOR = 2.0**-20  # smallest fp16 scale kept: a constant group decodes to 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
+class RowCodec:
+    """A row-local codec: every row carries its own metadata, so rows move between pages as bytes."""
+
+    page_local = False
+
+    def page_meta_bytes(self, head_dim: int) -> int:
+        return 0
+
+
 @dataclass(frozen=True)
-class FloatCodec:
+class FloatCodec(RowCodec):
     """Rows cast to a narrower float dtype (no metadata)."""
 
     dtype: torch.dtype
@@ -46,8 +55,6 @@ class FloatCodec:
     def row_bytes(self, head_dim: int) -> int:
         return head_dim * torch.finfo(self.dtype).bits // 8
 
-    page_meta_bytes = staticmethod(lambda head_dim: 0)  # row-local: every row carries its own metadata
-
     def error_bound(self, x: Tensor) -> Tensor:
         """Round to nearest: half an ulp of the narrower dtype (relative), or half its smallest subnormal."""
         info = torch.finfo(self.dtype)
@@ -55,7 +62,7 @@ class FloatCodec:
 
 
 @dataclass(frozen=True)
-class Fp8Codec:
+class Fp8Codec(RowCodec):
     """float8 e4m3fn codes with one fp32 scale per row (the row's absolute max maps to 448)."""
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -68,8 +75,6 @@ class Fp8Codec:
     def row_bytes(self, head_dim: int) -> int:
         return head_dim + 4
 
-    page_meta_bytes = staticmethod(lambda head_dim: 0)
-
     def error_bound(self, x: Tensor) -> Tensor:
         """3 mantissa bits: 2^-4 of |x| in the normal range; below 2^-6 (times the scale), half the subnormal step
         2^-9."""
@@ -78,7 +83,7 @@ class Fp8Codec:
 
 
 @dataclass(frozen=True)
-class IntCodec:
+class IntCodec(RowCodec):
     """Asymmetric ``bits``-bit codes per group of ``group`` channels (the whole row when it is shorter), fp16
     scale and minimum per group."""
 
@@ -113,8 +118,6 @@ class IntCodec:
     def row_bytes(self, head_dim: int) -> int:
         return head_dim * self.bits // 8 + 4 * self._groups(head_dim)
 
-    page_meta_bytes = staticmethod(lambda head_dim: 0)
-
     def error_bound(self, x: Tensor) -> Tensor:
         """Half a (rounded) step, plus what rounding the scale and minimum to fp16 moves the grid by."""
         g, scale16, low16 = self._scale_and_min(x)
@@ -141,14 +144,17 @@ class ChannelCodec:
         q = q.masked_fill(~valid[..., None], 0).to(torch.uint8)
         return pack(q, self.bits), torch.stack([scale, low], -1).flatten(-2)[:, None]
 
+    def _grid(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+        """fp32 step and minimum [N, D] of each page's valid rows (an empty page: the step floor, minimum 0)."""
+        v, some = valid[..., None], valid.any(1, keepdim=True)
+        low = torch.where(some, torch.where(v, x.float(), float("inf")).amin(1), 0.0)
+        high = torch.where(some, torch.where(v, x.float(), float("-inf")).amax(1), 0.0)
+        return ((high - low) / (2**self.bits - 1)).clamp_min(SCALE_FLOOR), low
+
     def _scale_and_min(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-        """fp16 scale and minimum [N, D] of each page's valid rows (an empty page: scale floor, minimum 0)."""
-        v = valid[..., None]
-        low = torch.where(v, x.float(), float("inf")).amin(1)
-        high = torch.where(v, x.float(), float("-inf")).amax(1)
-        some = valid.any(1, keepdim=True)
-        low, high = torch.where(some, low, 0.0), torch.where(some, high, 0.0)
-        return ((high - low) / (2**self.bits - 1)).clamp_min(SCALE_FLOOR).half(), low.half()
+        """The grid as stored: fp16 scale and minimum [N, D]."""
+        scale, low = self._grid(x, valid)
+        return scale.half(), low.half()
 
     def decode(self, codes: Tensor, meta: Tensor, dtype: torch.dtype) -> Tensor:
         """Codes [..., S, W] with their pages' metadata [..., S / P, 2D] (one row per page, repeated over its
@@ -165,11 +171,8 @@ class ChannelCodec:
 
     def error_bound(self, x: Tensor, valid: Tensor) -> Tensor:
         """Half a (rounded) step of the row's channel in its page, plus the fp16 rounding of the grid."""
-        scale16, low16 = self._scale_and_min(x, valid)
-        v = valid[..., None]
-        low = torch.where(v, x.float(), float("inf")).amin(1)
-        high = torch.where(v, x.float(), float("-inf")).amax(1)
-        scale = ((high - low) / (2**self.bits - 1)).clamp_min(SCALE_FLOOR)
+        scale, low = self._grid(x, valid)
+        scale16, low16 = scale.half(), low.half()
         shift = (low - low16.float()).abs() + (2**self.bits - 1) * (scale - scale16.float()).abs()
         return (0.5 * scale16.float() + shift + 2.0**-20 * x.abs().amax(1))[:, None].expand_as(x)
 
@@ -177,7 +180,7 @@ class ChannelCodec:
 def encode_pool(codec, pages: Tensor, valid: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Codes and metadata of whole pages [N, P, D] (``valid`` [N, P]: the rows that hold tokens; default all),
     for a row-local or a page-local codec."""
-    if getattr(codec, "page_local", False):
+    if codec.page_local:
         return codec.encode_pages(pages, torch.ones(pages.shape[:2], dtype=torch.bool, device=pages.device)
                                   if valid is None else valid)
     return codec.encode(pages)
