@@ -13,7 +13,8 @@ Writes ``bench/results/formats.{json,md,png}``. ``--speed`` instead times decode
 token count (every token kept: budget 1.0), eager and compiled, in one run on one machine, against the model-dtype
 pages: ``bench/results/formats_speed.{json,md}``.
 
-    python bench/formats.py --speed --batch 4 --context 2048 --steps 8 --rounds 3
+    python bench/formats.py --speed --batch 4 --context 8000 --steps 4 --rounds 3 --no-compile
+    python bench/formats.py --speed --kernel --context 8192 --rounds 15     # one layer's attention op alone
 """
 
 from __future__ import annotations
@@ -127,15 +128,16 @@ def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, co
             held = cm.cache_stats()["bytes_held"]
             nxt = torch.full((batch, 1), 42)
             with torch.no_grad():
+                t0 = time.perf_counter()
                 cm.decode(nxt)  # warm-up (compiles)
-                times = []
+                first_s, times = time.perf_counter() - t0, []
                 for _ in range(rounds):
                     t0 = time.perf_counter()
                     for _ in range(steps):
                         cm.decode(nxt)
                     times.append((time.perf_counter() - t0) / steps * 1e3)
             rows.append({"mode": mode, "recipe": recipe, "ms_per_token": statistics.median(times),
-                         "rounds_ms": times, "bytes_held": held})
+                         "rounds_ms": times, "first_call_s": first_s, "bytes_held": held})
             print(rows[-1])
     for row in rows:
         ref = next(r for r in rows if r["mode"] == row["mode"] and r["recipe"] == "full")
@@ -144,14 +146,67 @@ def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, co
                        "threads": torch.get_num_threads()}, "rows": rows}
 
 
+def kernel_speed(context: int, rounds: int) -> dict:
+    """One layer's decode attention (SmolLM2's shape: batch 4, 9 query and 3 KV heads of 64) over ``context``
+    random tokens per head: the model-dtype pages read in place, and each format read by the two-pass decode
+    (``reference.stored_decode``) and by the tile-by-tile merged attention it replaced for decode
+    (``reference.merged_attention``); median of ``rounds`` interleaved calls."""
+    import statistics
+    import time
+
+    import torch
+
+    from kvcompile.kernels import reference
+    from kvcompile.kernels.formats import encode_pool
+
+    g = torch.Generator().manual_seed(0)
+    B, Hkv, G, D, P = 4, 3, 3, 64, 16
+    n = B * Hkv * context // P
+    k, v = torch.randn(n + 1, P, D, generator=g), torch.randn(n + 1, P, D, generator=g)
+    pos = torch.cat([torch.zeros(P), torch.arange(context).repeat(B * Hkv)]).view(-1, P).int()
+    table, lengths = (1 + torch.arange(n)).view(B, Hkv, -1).int(), torch.full((B, Hkv), context, dtype=torch.int32)
+    q, q_pos = torch.randn(B, Hkv * G, 1, D, generator=g), torch.full((B, 1), context)
+    empty = (torch.zeros(2, P, D),) * 2 + (torch.zeros(2, P, dtype=torch.int32), torch.zeros(B, Hkv, 2, dtype=torch.int32),
+                                          torch.zeros(B, Hkv, dtype=torch.int32))
+    dense = reference.gather_dense(*empty)
+    calls = {("float32", "in place"): lambda: reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.125,
+                                                                        first_page=1)}
+    for name in ("int8", "int4", "kivi2", "fp8"):
+        f = get_format(name)
+        stored = reference.FormatPages(*encode_pool(f.key, k), *encode_pool(f.value, v), pos, table, lengths)
+        calls[(name, "two-pass")] = lambda s=stored: reference.stored_decode(q, dense, s, 0.125)
+        calls[(name, "merged tiles")] = lambda s=stored: reference.merged_attention(q, q_pos, dense, s, 0.125, 0, 1 << 26)
+    times = {key: [] for key in calls}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for key, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                times[key].append((time.perf_counter() - t0) * 1e3)
+    ref = statistics.median(times[("float32", "in place")])
+    rows = [{"format": f, "path": path, "ms": statistics.median(t), "vs_float32": statistics.median(t) / ref}
+            for (f, path), t in times.items()]
+    return {"config": {"context": context, "rounds": rounds, "threads": torch.get_num_threads()}, "rows": rows}
+
+
+def kernel_markdown(result: dict) -> str:
+    c = result["config"]
+    lines = [f"# One layer's decode attention over page formats (batch 4, 9/3 heads of 64, {c['context']} tokens per "
+             f"head, {c['threads']} threads, median of {c['rounds']})", "",
+             "| format | path | ms | vs float32 pages |", "|---|---|---|---|"]
+    lines += [f"| {r['format']} | {r['path']} | {r['ms']:.1f} | {r['vs_float32']:.2f}x |" for r in result["rows"]]
+    return "\n".join(lines) + "\n"
+
+
 def speed_markdown(result: dict) -> str:
     c = result["config"]
     lines = [f"# Decode over page formats ({c['model']}, batch {c['batch']}, {c['context']} tokens kept, "
              f"{c['threads']} threads)", "",
-             "| mode | recipe | ms / token | vs model-dtype pages | K/V bytes held (MiB) |", "|---|---|---|---|---|"]
+             "| mode | recipe | ms / token | vs model-dtype pages | K/V bytes held (MiB) | first call s |",
+             "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['mode']} | {r['recipe']} | {r['ms_per_token']:.1f} | {r['vs_model_dtype']:.2f}x "
-                     f"| {r['bytes_held'] / 2**20:.0f} |")
+                     f"| {r['bytes_held'] / 2**20:.0f} | {r.get('first_call_s', float('nan')):.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -168,7 +223,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="with --speed: eager only")
+    parser.add_argument("--kernel", action="store_true", help="with --speed: one layer's attention op, not the model")
     args = parser.parse_args()
+    if args.speed and args.kernel:
+        result = kernel_speed(args.context, args.rounds)
+        out = Path(args.out or RESULTS / "formats_kernel")
+        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        out.with_suffix(".md").write_text(kernel_markdown(result))
+        print(kernel_markdown(result))
+        return
     if args.speed:
         result = speed(args.model, args.batch, args.context, args.steps, args.rounds, not args.no_compile)
         out = Path(args.out or RESULTS / "formats_speed")

@@ -29,7 +29,8 @@ from .recipes import Recipe
 from .signature import INPUTS
 from .spec import ModelSpec
 
-_FORMAT = 3  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs
+_FORMAT = 4  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
+# 4: decode over the format pool calls the opaque op kvcompile::format_attention
 _NAMES = ("prefill", "prefill_last", "decode")
 _SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}
 

@@ -2,7 +2,7 @@
 
 ``kvcompile demo``: compress a real model's cache on a long prompt and report what it held.
 ``kvcompile eval``: a recipes x budgets x tasks sweep with one shared prefill per context (CSV, JSON, PNG, or a
-results store that a rerun resumes).
+results store that a rerun resumes); ``--executor ray`` runs its contexts on Ray workers.
 ``kvcompile report``: the tables (Markdown or CSV) and the score-against-bytes plot of a results store.
 ``kvcompile fidelity``: KL, top-1, perplexity, greedy agreement and per-layer attention errors against the full cache.
 ``kvcompile lm-eval ...``: lm-eval's own command line with the ``kvcompile`` model and the ``kvc_*`` tasks.
@@ -77,12 +77,25 @@ def _eval(args) -> int:
 
     tasks = list(TASKS) if args.tasks == "all" else _csv(args.tasks)
     store = _store(args.store) if args.store else None
-    cm, tok = _load(args.model)
-    result = sweep.run(
-        cm, tok, _csv(args.recipes), [sweep.parse_budget(b) for b in _csv(args.budgets)], tasks,
-        n_samples=args.n_samples, length=args.length, seed=args.seed, kl=args.kl,
-        measure_separate=args.measure_separate, store=store, model=args.model,
-    )
+    grid = dict(n_samples=args.n_samples, length=args.length, seed=args.seed, kl=args.kl, store=store)
+    recipes, budgets = _csv(args.recipes), [sweep.parse_budget(b) for b in _csv(args.budgets)]
+    try:
+        if args.executor == "ray":  # the workers load the model; this process only schedules and writes
+            from kvcompile.eval import ray_sweep
+
+            if args.measure_separate:
+                raise SystemExit("kvcompile eval: --measure-separate times one process; run it with --executor local")
+            result = ray_sweep.run(args.model, recipes, budgets, tasks, address=args.address, workers=args.workers,
+                                   cpus_per_worker=args.cpus_per_worker, **grid)
+        else:
+            cm, tok = _load(args.model)
+            result = sweep.run(cm, tok, recipes, budgets, tasks, measure_separate=args.measure_separate,
+                               model=args.model, **grid)
+    except KeyboardInterrupt:
+        if store is None:
+            raise
+        raise SystemExit(f"kvcompile eval: interrupted; the contexts finished so far are in {args.store}, and the "
+                         "same command resumes from them") from None
     if store is not None:
         print(f"{args.store}: {len(result['samples'])} cell samples run, {result['timing']['cells_stored']} found "
               f"stored and skipped; `kvcompile report --store {args.store}` renders it", file=sys.stderr)
@@ -211,6 +224,13 @@ def main(argv=None) -> int:
                     "none with --store)")
     ev.add_argument("--store", default=None, metavar="PATH", help="write the rows to this results store (SQLite; "
                     "created if missing) and skip the cells it holds already")
+    ev.add_argument("--executor", choices=("local", "ray"), default="local",
+                    help="local: this process; ray: one unit per context on Ray workers (pip install 'kvcompile[ray]')")
+    ev.add_argument("--address", default=None, help="with --executor ray: a running cluster (auto or HOST:PORT); "
+                    "default: start one on this machine")
+    ev.add_argument("--workers", type=int, default=None, help="with --executor ray: actors (default: CPUs / "
+                    "--cpus-per-worker)")
+    ev.add_argument("--cpus-per-worker", type=int, default=1, help="with --executor ray: CPUs (torch threads) each")
     rep = sub.add_parser("report", help="render a results store: tables (Markdown or CSV) and a score-against-bytes plot")
     rep.add_argument("--store", required=True, metavar="PATH")
     rep.add_argument("--format", choices=("md", "csv"), default="md")

@@ -68,7 +68,30 @@ def _attend(
 
         return paged_decode(*args, stored=stored)
     first_page = 1 + layer * page_table[layer].numel() if packed else None  # PagedKVCache.packed's layout
+    if decode and not stored.empty:
+        return format_attention(*args, *stored, -1 if first_page is None else first_page)
     return reference.paged_attention(*args, first_page=first_page, stored=stored).contiguous()
+
+
+@torch.library.custom_op("kvcompile::format_attention", mutates_args=())
+def format_attention(
+    q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor,
+    lengths: Tensor, scale: float, window: int, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor,
+    fmt_pos: Tensor, fmt_table: Tensor, fmt_lengths: Tensor, first_page: int,
+) -> Tensor:
+    """A decode step's attention over one layer's two pools on the PyTorch path (``reference.paged_attention`` with
+    ``stored``; ``first_page`` -1: not packed). Opaque to ``torch.compile``: traced, the pool would be one tile (a
+    loop over its width would specialise on it) and every layer's decoding code would be compiled (SmolLM2's first
+    compile ran past 5 minutes); as one call it runs the eager two-pass tiles, which beat Inductor's code for the
+    fused reduction here (``docs/results.md``, "Page formats")."""
+    stored = reference.FormatPages(fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths)
+    return reference.paged_attention(q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, scale, window,
+                                     first_page=None if first_page < 0 else first_page, stored=stored).contiguous()
+
+
+@format_attention.register_fake
+def _(q, *args):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):

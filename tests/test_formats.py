@@ -9,7 +9,8 @@ import torch
 import kvcompile
 from conftest import left_padded_batch
 from kvcompile.kernels import reference
-from kvcompile.kernels.formats import FORMATS, ChannelCodec, codec_of, encode_pool, pack, unpack
+from kvcompile.kernels.formats import FORMATS, ChannelCodec, codec_of, encode_pool
+from kvcompile.kernels.packing import pack, unpack
 from kvcompile.recipes import Recipe, in_format
 
 CODECS = {f"{name}.{part}": getattr(f, part) for name, f in FORMATS.items() for part in ("key", "value")
@@ -45,6 +46,20 @@ def test_codec_round_trips_within_its_bound_and_re_encodes_to_itself(name):
         assert type(codec_of(codes, meta, D)) is type(codec) and torch.equal(
             codec_of(codes, meta, D).decode(codes, meta, torch.float32), y), "the stored tensors name their codec"
         assert codes[0, 0].nbytes + meta[0, 0].nbytes == codec.row_bytes(D), "row_bytes is what a row stores"
+
+
+@pytest.mark.parametrize("name", CODECS)
+def test_codec_products_read_from_codes_equal_products_with_the_decoded_rows(name):
+    """``dot`` and ``mix`` (what decode attention asks of a codec; integer and fp8 codecs fold their scales into the
+    product instead of decoding) equal the same products with the decoded rows, over several heads."""
+    codec, g = CODECS[name], torch.Generator().manual_seed(fresh_seed())
+    for D in (16, 64):
+        codes, meta = codec.encode(outlier_rows((2, 3, 21, D), g))
+        rows = codec.decode(codes, meta, torch.float32)
+        q, p = torch.randn(2, 3, 4, D, generator=g), torch.rand(2, 3, 4, 21, generator=g)
+        for got, want in ((codec.dot(q, codes, meta), q @ rows.transpose(-1, -2)), (codec.mix(p, codes, meta), p @ rows)):
+            # fp32 sums in another order: error relative to the largest product (outliers reach |x| ~ 2000)
+            torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -135,16 +150,21 @@ def test_attention_over_format_and_dtype_pages_equals_dense_attention_over_both(
                 torch.testing.assert_close(out[0, h * G + i, t], expect, atol=1e-4, rtol=1e-4)
 
 
-def test_tiles_merge_to_one_softmax():
-    """Many tiles of the format pool (tile_tokens below one page) answer what one tile answers."""
+@pytest.mark.parametrize("name", ["int4", "kivi2"])
+def test_tiles_merge_to_one_softmax(name):
+    """Many tiles of the format pool (tile_tokens below one page) answer what one tile answers, in the merged
+    attention (partial softmax states) and in the two-pass decode (scores of every tile, one softmax)."""
     g, D, P = torch.Generator().manual_seed(fresh_seed()), 16, 4
-    stored, _ = format_pool("int4", [9, 30], P, D, g)
+    stored, _ = format_pool(name, [9, 30], P, D, g)
     pool, _ = dtype_pool([2, 5], P, D, g, 40)
     q, q_pos = torch.randn(1, 4, 1, D, generator=g), torch.tensor([[50]])
     dense = reference.gather_dense(*pool)
     one = reference.merged_attention(q, q_pos, dense, stored, 0.4, 0, 1 << 26, tile_tokens=10**6)
     many = reference.merged_attention(q, q_pos, dense, stored, 0.4, 0, 1 << 26, tile_tokens=1)
     torch.testing.assert_close(one, many, atol=1e-5, rtol=1e-5)
+    for tile in (1, P, 10**6):
+        torch.testing.assert_close(reference.stored_decode(q, dense, stored, 0.4, tile_tokens=tile), one,
+                                   atol=1e-5, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- through the public API

@@ -86,62 +86,106 @@ def run(
     if store is not None and not model:
         raise ValueError("a store keys every row by model: pass run(..., store=store, model='smollm2-135m')")
     task_objs = [get_task(t) for t in tasks]
-    chosen = [get_recipe(r) for r in recipes]
-    cells = [(get_recipe("full"), Budget.parse(1.0))] + [
-        (r, Budget.parse(b)) for r in chosen for b in budgets if r.name != "full"
-    ]
-    widest = max(_observation_window(cm, r, b) for r, b in cells)
-    shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps everything
-    base = kvcompile.apply(cm, budget=1.0, recipe=shared)
-    fingerprints = [r.fingerprint for r, _ in cells]
-    timing = {"shared_prefill_s": 0.0, "cells_s": 0.0, "contexts": 0, "separate_s": 0.0, "separate_contexts": 0,
-              "separate_shared_s": 0.0, "separate_mismatches": 0, "cells_stored": 0}
+    sweeper = Sweeper(cm, tokenizer, grid(recipes, budgets), length=length, seed=seed, kl=kl, model=model)
+    cells = sweeper.cells
+    timing = new_timing()
     bar = tqdm(total=len(task_objs) * n_samples * len(cells), disable=not progress, desc="sweep")
     samples = []
     for task in task_objs:
         for index in range(n_samples):
-            context_key = {"model": model, "task": task.name, "length": length, "seed": seed, "sample": index,
-                           "format": str(base.cache.k_pages.dtype).removeprefix("torch.")}
-            keys = [{**context_key, "recipe": r.name, "version": r.version, "fingerprint": fp, "budget": str(b),
-                     "provenance": r.provenance, "format": r.format or context_key["format"]}
-                    for (r, b), fp in zip(cells, fingerprints)]
+            keys = sweeper.keys(task.name, index)
             stored = [store is not None and store.has(k, kl=kl) for k in keys]
             timing["cells_stored"] += sum(stored)
             if all(stored):
                 bar.update(len(cells))
                 continue
-            sample = make_sample(task, tokenizer, length, seed=seed, index=index)
-            context, question = (_encode(tokenizer, t) for t in sample.prompt(tokenizer))
-            t0 = time.perf_counter()
-            base.reset()
-            with torch.no_grad():
-                base.prefill(ids_tensor(context, base.device), compress=False, logits="last")
-            prefill_s = time.perf_counter() - t0
-            timing["shared_prefill_s"] += prefill_s
-            timing["contexts"] += 1
-            reference, answers, rows, t0 = {}, {}, [], time.perf_counter()
-            for i, ((recipe, budget), key) in enumerate(zip(cells, keys)):
-                if i == 0 or not stored[i]:  # the full cell runs whenever any does: it is the KL reference
-                    row = _cell(base, recipe, budget, sample, question, tokenizer, task.max_new_tokens, kl, reference)
-                    if "tokens" in row:
-                        answers[(recipe.name, str(budget))] = row.pop("tokens")
-                    rows.append(dict.fromkeys(VALUES) | key | row)
-                bar.update(1)
-            cells_s = time.perf_counter() - t0
-            samples += rows
+            done = sweeper.run_context(task.name, index, stored)
+            add_timing(timing, done)
+            bar.update(len(cells))
+            samples += done["rows"]
             if store is not None:
-                store.add(rows)
+                store.add(done["rows"])
             if timing["separate_contexts"] < measure_separate:
-                _separate(base, cells, context, question, tokenizer, task.max_new_tokens, answers, timing)
-                timing["separate_shared_s"] += prefill_s + cells_s
+                _separate(sweeper.base, cells, done["context"], done["question"], tokenizer, task.max_new_tokens,
+                          done["answers"], timing)
+                timing["separate_shared_s"] += done["prefill_s"] + done["cells_s"]
     bar.close()
+    return result(samples, timing, cells, budgets, tasks, n_samples, length, seed)
+
+
+def grid(recipes: list, budgets: list) -> list[tuple[Recipe, Budget]]:
+    """The cells of a sweep: the full-budget cell first (the KL reference), then every recipe at every budget."""
+    chosen = [get_recipe(r) for r in recipes]
+    return [(get_recipe("full"), Budget.parse(1.0))] + [
+        (r, Budget.parse(b)) for r in chosen for b in budgets if r.name != "full"]
+
+
+class Sweeper:
+    """A sweep's work on one context (a task sample), whoever runs it (this process, or a Ray worker:
+    ``eval.ray_sweep``): one shared prefill, then every cell forked from it. ``cm``: any ``CompressedModel`` of
+    the model."""
+
+    def __init__(self, cm: CompressedModel, tokenizer, cells: list, *, length: int, seed: int, kl: bool, model: str):
+        self.tokenizer, self.cells, self.length, self.seed, self.kl, self.model = tokenizer, cells, length, seed, kl, model
+        widest = max(_observation_window(cm, r, b) for r, b in cells)
+        shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps all
+        self.base = kvcompile.apply(cm, budget=1.0, recipe=shared)
+
+    def keys(self, task: str, index: int) -> list[dict]:
+        """The store key of every cell on context ``index`` of ``task``."""
+        dtype = str(self.base.cache.k_pages.dtype).removeprefix("torch.")
+        return cell_keys(self.cells, self.model, task, index, self.length, self.seed, dtype)
+
+    def run_context(self, task_name: str, index: int, stored: list[bool]) -> dict:
+        """Run the cells not ``stored`` (the full cell always: it is the KL reference) on one context: ``rows`` (the
+        store's rows), ``answers`` {(recipe, budget): tokens}, the ``context`` and ``question`` ids, ``prefill_s``
+        and ``cells_s``."""
+        task = get_task(task_name)
+        sample = make_sample(task, self.tokenizer, self.length, seed=self.seed, index=index)
+        context, question = (_encode(self.tokenizer, t) for t in sample.prompt(self.tokenizer))
+        t0 = time.perf_counter()
+        self.base.reset()
+        with torch.no_grad():
+            self.base.prefill(ids_tensor(context, self.base.device), compress=False, logits="last")
+        prefill_s = time.perf_counter() - t0
+        reference, answers, rows, t0 = {}, {}, [], time.perf_counter()
+        for i, ((recipe, budget), key) in enumerate(zip(self.cells, self.keys(task_name, index))):
+            if i == 0 or not stored[i]:
+                row = _cell(self.base, recipe, budget, sample, question, self.tokenizer, task.max_new_tokens, self.kl,
+                            reference)
+                if "tokens" in row:
+                    answers[(recipe.name, str(budget))] = row.pop("tokens")
+                rows.append(dict.fromkeys(VALUES) | key | row)
+        return {"rows": rows, "answers": answers, "context": context, "question": question, "prefill_s": prefill_s,
+                "cells_s": time.perf_counter() - t0}
+
+
+def cell_keys(cells: list, model: str, task: str, index: int, length: int, seed: int, dtype: str) -> list[dict]:
+    """The store key of every cell on context ``index`` of ``task``, for a model whose cache is in ``dtype``."""
+    context_key = {"model": model, "task": task, "length": length, "seed": seed, "sample": index}
+    return [{**context_key, "recipe": r.name, "version": r.version, "fingerprint": r.fingerprint, "budget": str(b),
+             "provenance": r.provenance, "format": r.format or dtype} for r, b in cells]
+
+
+def new_timing() -> dict:
+    return {"shared_prefill_s": 0.0, "cells_s": 0.0, "contexts": 0, "separate_s": 0.0, "separate_contexts": 0,
+            "separate_shared_s": 0.0, "separate_mismatches": 0, "cells_stored": 0}
+
+
+def add_timing(timing: dict, done: dict) -> None:
+    timing["shared_prefill_s"] += done["prefill_s"]
+    timing["contexts"] += 1
+
+
+def result(samples: list, timing: dict, cells: list, budgets, tasks, n_samples, length, seed) -> dict:
+    """What ``run`` returns, from the rows every context gave."""
     timing["cells_s"] = sum(s["wall_s"] for s in samples)
     if timing["separate_contexts"]:
         timing["shared_over_separate"] = timing["separate_shared_s"] / timing["separate_s"]
-    provenance = {r.name: r.provenance for r, _ in cells}
     config = {"recipes": list(dict.fromkeys(r.name for r, _ in cells)), "budgets": [str(b) for b in budgets],
               "tasks": tasks, "n_samples": n_samples, "length": length, "seed": seed, "query_aware": False,
-              "recipe_tags": {r.name: r.tag for r, _ in cells}, "recipe_provenance": provenance}
+              "recipe_tags": {r.name: r.tag for r, _ in cells},
+              "recipe_provenance": {r.name: r.provenance for r, _ in cells}}
     return {"rows": report.cells(samples), "samples": samples, "timing": timing, "config": config}
 
 

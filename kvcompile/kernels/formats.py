@@ -27,11 +27,28 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .packing import pack, unpack
+
 SCALE_FLOOR = 2.0**-20  # smallest fp16 scale kept: a constant group decodes to its minimum
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 
 
-class RowCodec:
+class Codec:
+    """What attention asks of every codec: the scores of queries against stored rows and the probability-weighted
+    sum of stored rows, read from the codes. By default a codec decodes the rows (one tile at a time) and multiplies;
+    a codec whose decoding is affine per row group (``IntCodec``, ``Fp8Codec``) folds its scales into the product
+    instead, so the decoded rows are never written."""
+
+    def dot(self, q: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
+        """q [..., G, D] times the decoded rows [..., S, D], transposed: [..., G, S] in q's dtype."""
+        return torch.matmul(q, self.decode(codes, meta, q.dtype).transpose(-1, -2))
+
+    def mix(self, p: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
+        """Weights p [..., G, S] times the decoded rows [..., S, D]: [..., G, D] in p's dtype."""
+        return torch.matmul(p, self.decode(codes, meta, p.dtype))
+
+
+class RowCodec(Codec):
     """A row-local codec: every row carries its own metadata, so rows move between pages as bytes."""
 
     page_local = False
@@ -71,6 +88,12 @@ class Fp8Codec(RowCodec):
 
     def decode(self, codes: Tensor, meta: Tensor, dtype: torch.dtype) -> Tensor:
         return (codes.float() * meta).to(dtype)
+
+    def dot(self, q: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
+        return torch.matmul(q, codes.to(q.dtype).transpose(-1, -2)) * meta.to(q.dtype).transpose(-1, -2)
+
+    def mix(self, p: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
+        return torch.matmul(p * meta.to(p.dtype).transpose(-1, -2), codes.to(p.dtype))
 
     def row_bytes(self, head_dim: int) -> int:
         return head_dim + 4
@@ -115,6 +138,31 @@ class IntCodec(RowCodec):
         scale, low = meta.float().unflatten(-1, (-1, 2)).unbind(-1)
         return (q * scale[..., None] + low[..., None]).flatten(-2).to(dtype)
 
+    def dot(self, q: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
+        """Per group i: scale_i times q_i . codes_i, plus minimum_i times the sum of q_i. One product for all groups:
+        the query is laid out block-diagonally, a row per (group, query), so the codes are read whole."""
+        c, scale, low, blocks = self._columns(codes, meta, q.dtype)
+        n, G = blocks.shape[0], q.shape[-2]
+        by_group = torch.matmul((q.unsqueeze(-3) * blocks[:, None]).flatten(-3, -2), c.transpose(-1, -2))
+        sums = torch.matmul(q, blocks.T)  # [..., G, n]: each group's query sum
+        return (by_group.unflatten(-2, (n, G)) * scale.unsqueeze(-2)).sum(-3) + torch.matmul(sums, low)
+
+    def mix(self, p: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
+        """Per group i: (p times scale_i) . codes_i, plus p . minimum_i, on the group's channels; one product
+        for all groups (a row of weights per (group, query)), of which each channel keeps its group's row."""
+        c, scale, low, blocks = self._columns(codes, meta, p.dtype)
+        n, G = blocks.shape[0], p.shape[-2]
+        by_group = torch.matmul((p.unsqueeze(-3) * scale.unsqueeze(-2)).flatten(-3, -2), c)
+        return (by_group.unflatten(-2, (n, G)) * blocks[:, None]).sum(-3) + torch.matmul(p, low.transpose(-1, -2)) @ blocks
+
+    def _columns(self, codes: Tensor, meta: Tensor, dtype: torch.dtype):
+        """Codes as ``dtype`` [..., S, D]; each group's scale and minimum [..., n, S]; and which channels each group
+        holds, a 0/1 matrix [n, D]."""
+        c, n = unpack(codes, self.bits).to(dtype), meta.shape[-1] // 2
+        scale, low = (x.transpose(-1, -2).contiguous() for x in meta.to(dtype).unflatten(-1, (n, 2)).unbind(-1))
+        channels = torch.arange(c.shape[-1], device=c.device) // (c.shape[-1] // n)
+        return c, scale, low, (channels == torch.arange(n, device=c.device)[:, None]).to(dtype)
+
     def row_bytes(self, head_dim: int) -> int:
         return head_dim * self.bits // 8 + 4 * self._groups(head_dim)
 
@@ -129,7 +177,7 @@ class IntCodec(RowCodec):
 
 
 @dataclass(frozen=True)
-class ChannelCodec:
+class ChannelCodec(Codec):
     """KIVI's keys: asymmetric ``bits``-bit codes per channel over the rows of one page (fp16 scale and minimum per
     channel and page: ``meta`` [N, 1, 2D]), so an outlier channel gets a grid of its own. Page-local: a page is
     encoded whole (``encode_pages``), and entries that move to another page are decoded and encoded again."""
@@ -184,31 +232,6 @@ def encode_pool(codec, pages: Tensor, valid: Tensor | None = None) -> tuple[Tens
         return codec.encode_pages(pages, torch.ones(pages.shape[:2], dtype=torch.bool, device=pages.device)
                                   if valid is None else valid)
     return codec.encode(pages)
-
-
-def pack(q: Tensor, bits: int) -> Tensor:
-    """Codes [..., D] (values < 2^bits) packed along D into bytes: ``8 // bits`` planes of D*bits/8 channels
-    each, plane i in bits i*bits.. of every byte (int3: a 2-bit pack of the low bits, then a 1-bit pack of the
-    high bit)."""
-    if bits == 3:
-        return torch.cat([pack(q & 3, 2), pack(q >> 2, 1)], -1)
-    if bits == 8:
-        return q
-    n = 8 // bits
-    planes = q.unflatten(-1, (n, q.shape[-1] // n)).to(torch.int32)
-    shifts = torch.arange(0, 8, bits, device=q.device, dtype=torch.int32)[:, None]
-    return (planes << shifts).sum(-2).to(torch.uint8)
-
-
-def unpack(codes: Tensor, bits: int) -> Tensor:
-    """``pack``'s inverse: bytes [..., D*bits/8] -> codes [..., D] uint8."""
-    if bits == 3:
-        quarter = codes.shape[-1] * 2 // 3  # the 2-bit plane holds D/4 bytes, the 1-bit plane D/8
-        return unpack(codes[..., :quarter], 2) | (unpack(codes[..., quarter:], 1) << 2)
-    if bits == 8:
-        return codes
-    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)[:, None]
-    return ((codes[..., None, :] >> shifts) & (2**bits - 1)).flatten(-2)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,8 @@ def paged_attention(
     """
     if stored is not None and not stored.empty:
         dense = gather_dense(k_pages, v_pages, page_pos, page_table, lengths, first_page)
+        if q.shape[2] == 1 and window == 0:
+            return stored_decode(q, dense, stored, scale)
         return merged_attention(q, q_pos, dense, stored, scale, window, block_bytes)
     B, Hq, T, D = q.shape
     if T == 1 and window == 0:  # decode of the newest token: every held key is at or before it
@@ -160,12 +162,8 @@ def merged_attention(q, q_pos, dense, stored: FormatPages, scale: float, window:
                      tile_tokens: int = 1024) -> Tensor:
     """Attention over a head's model-dtype entries (``dense``: ``gather_dense``'s views) and its format pool,
     which is decoded one tile of pages at a time: one partial softmax state per tile, merged by log-sum-exp (the
-    split-K merge). Under ``torch.compile`` the pool is one tile (a loop over its dynamic width would specialise
-    on it)."""
+    split-K merge). Called by opaque ops only (``ops.format_attention``): its loops are over tensor sizes."""
     B, Hq, T, D = q.shape
-    if torch.compiler.is_compiling():  # no Python loop over dynamic sizes: one tile, one block of queries
-        o, lse = _partial(q, q_pos, *dense, scale, window)
-        return _merge(o, lse, *_partial(q, q_pos, *stored.dense(D, q.dtype), scale, window))[0].to(q.dtype)
     P, width = stored.pos.shape[1], stored.table.shape[-1]
     step = max(1, tile_tokens // P)
     tiles = [lambda: dense] + [lambda s=s: stored.dense(D, q.dtype, slice(s, s + step)) for s in range(0, width, step)]
@@ -178,6 +176,33 @@ def merged_attention(q, q_pos, dense, stored: FormatPages, scale: float, window:
             o, lse = _merge(o, lse, *_partial(qb, pb, *tile(), scale, window))
         out.append(o.to(q.dtype))
     return torch.cat(out, 2)
+
+
+def stored_decode(q, dense, stored: FormatPages, scale: float, tile_tokens: int = 2048) -> Tensor:
+    """A decode step without a window (every held entry is visible) over a head's model-dtype entries (``dense``)
+    and its format pool, in two passes over the pool's tiles of pages: every tile's scores, read from the codes
+    (``Codec.dot``), one softmax, then every tile's weighted sum (``Codec.mix``). A codec that folds its scales
+    never writes decoded rows, and a tile is small enough to stay in cache where one is decoded. Called by opaque
+    ops only, as ``merged_attention``."""
+    B, Hq, _, D = q.shape
+    keys, values, _, valid = dense
+    Hkv, S0, P = keys.shape[1], keys.shape[2], stored.pos.shape[1]
+    qg = q.float().view(B, Hkv, Hq // Hkv, D) * scale
+    step = max(1, tile_tokens // P)
+    tiles = [slice(s, s + step) for s in range(0, stored.table.shape[-1], step)]
+    (k, km, kc), (v, vm, vc) = ((c, m, codec_of(c, m, D)) for c, m in ((stored.k, stored.k_meta),
+                                                                     (stored.v, stored.v_meta)))
+    scores = [torch.matmul(qg, keys.float().transpose(-1, -2))]
+    scores += [kc.dot(qg, gather_pages(k, stored.table[..., t]), gather_pages(km, stored.table[..., t])) for t in tiles]
+    j = torch.arange(stored.table.shape[-1] * P, device=q.device)
+    seen = torch.cat([valid, j < stored.lengths.unsqueeze(-1)], -1)[:, :, None]
+    probs = torch.softmax(torch.cat(scores, -1).masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
+    out, done = torch.matmul(probs[..., :S0], values.float()), S0
+    for t in tiles:
+        vt, mt = gather_pages(v, stored.table[..., t]), gather_pages(vm, stored.table[..., t])
+        out = out + vc.mix(probs[..., done : done + vt.shape[2]], vt, mt)
+        done += vt.shape[2]
+    return out.view(B, Hq, 1, D).to(q.dtype)
 
 
 def _partial(q, q_pos, keys, values, k_pos, valid, scale: float, window: int):
