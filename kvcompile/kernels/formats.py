@@ -87,13 +87,13 @@ class Fp8Codec(RowCodec):
         return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
     def decode(self, codes: Tensor, meta: Tensor, dtype: torch.dtype) -> Tensor:
-        return (codes.float() * meta).to(dtype)
+        return (_fp8_values(codes, torch.float32) * meta).to(dtype)
 
     def dot(self, q: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
-        return torch.matmul(q, codes.to(q.dtype).transpose(-1, -2)) * meta.to(q.dtype).transpose(-1, -2)
+        return torch.matmul(q, _fp8_values(codes, q.dtype).transpose(-1, -2)) * meta.to(q.dtype).transpose(-1, -2)
 
     def mix(self, p: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
-        return torch.matmul(p * meta.to(p.dtype).transpose(-1, -2), codes.to(p.dtype))
+        return torch.matmul(p * meta.to(p.dtype).transpose(-1, -2), _fp8_values(codes, p.dtype))
 
     def row_bytes(self, head_dim: int) -> int:
         return head_dim + 4
@@ -103,6 +103,18 @@ class Fp8Codec(RowCodec):
         2^-9."""
         scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-30)
         return x.abs() * 2.0**-4 + scale * 2.0**-10
+
+
+def _fp8_values(codes: Tensor, dtype: torch.dtype) -> Tensor:
+    """float8 codes as ``dtype``, looked up in the table of all 256 (bit-exact: the table is the cast of every
+    byte), because CPU float8 casts run one element at a time: the lookup takes half as long."""
+    table = _fp8_table(codes.device, dtype)
+    return table.index_select(0, codes.view(torch.uint8).flatten().int()).view(codes.shape)
+
+
+@functools.cache
+def _fp8_table(device: torch.device, dtype: torch.dtype) -> Tensor:
+    return torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -205,11 +217,11 @@ class ChannelCodec(Codec):
         return scale.half(), low.half()
 
     def decode(self, codes: Tensor, meta: Tensor, dtype: torch.dtype) -> Tensor:
-        """Codes [..., S, W] with their pages' metadata [..., S / P, 2D] (one row per page, repeated over its
-        rows here) or [..., S, 2D]."""
-        meta = meta.repeat_interleave(codes.shape[-2] // meta.shape[-2], -2)
-        scale, low = meta.float().unflatten(-1, (-1, 2)).unbind(-1)
-        return (unpack(codes, self.bits).float() * scale + low).to(dtype)
+        """Codes [..., S, W] with their pages' metadata [..., S / P, 2D] (one row per page, broadcast over its
+        rows) or [..., S, 2D]."""
+        scale, low = (x.unsqueeze(-2) for x in meta.float().unflatten(-1, (-1, 2)).unbind(-1))  # [..., pages, 1, D]
+        rows = unpack(codes, self.bits).float().unflatten(-2, (meta.shape[-2], -1))  # [..., pages, rows, D]
+        return (rows * scale + low).flatten(-3, -2).to(dtype)
 
     def row_bytes(self, head_dim: int) -> int:
         return head_dim * self.bits // 8
