@@ -106,10 +106,9 @@ class Fp8Codec(RowCodec):
 
 
 def _fp8_values(codes: Tensor, dtype: torch.dtype) -> Tensor:
-    """float8 codes as ``dtype``, looked up in the table of all 256 (bit-exact: the table is the cast of every
-    byte), because CPU float8 casts run one element at a time: the lookup takes half as long."""
-    table = _fp8_table(codes.device, dtype)
-    return table.index_select(0, codes.view(torch.uint8).flatten().int()).view(codes.shape)
+    """float8 codes as ``dtype`` through the table of all 256 (the cast of every byte: bit-exact), because CPU float8
+    casts run one element at a time: the lookup takes half as long."""
+    return _fp8_table(codes.device, dtype).index_select(0, codes.view(torch.uint8).flatten().int()).view(codes.shape)
 
 
 @functools.cache
@@ -156,8 +155,7 @@ class IntCodec(RowCodec):
         c, scale, low, blocks = self._columns(codes, meta, q.dtype)
         n, G = blocks.shape[0], q.shape[-2]
         by_group = torch.matmul((q.unsqueeze(-3) * blocks[:, None]).flatten(-3, -2), c.transpose(-1, -2))
-        sums = torch.matmul(q, blocks.T)  # [..., G, n]: each group's query sum
-        return (by_group.unflatten(-2, (n, G)) * scale.unsqueeze(-2)).sum(-3) + torch.matmul(sums, low)
+        return (by_group.unflatten(-2, (n, G)) * scale.unsqueeze(-2)).sum(-3) + q @ blocks.T @ low  # group sums
 
     def mix(self, p: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
         """Per group i: (p times scale_i) . codes_i, plus p . minimum_i, on the group's channels; one product
@@ -172,8 +170,7 @@ class IntCodec(RowCodec):
         holds, a 0/1 matrix [n, D]."""
         c, n = unpack(codes, self.bits).to(dtype), meta.shape[-1] // 2
         scale, low = (x.transpose(-1, -2).contiguous() for x in meta.to(dtype).unflatten(-1, (n, 2)).unbind(-1))
-        channels = torch.arange(c.shape[-1], device=c.device) // (c.shape[-1] // n)
-        return c, scale, low, (channels == torch.arange(n, device=c.device)[:, None]).to(dtype)
+        return c, scale, low, _group_channels(c.shape[-1], n, dtype, c.device)
 
     def row_bytes(self, head_dim: int) -> int:
         return head_dim * self.bits // 8 + 4 * self._groups(head_dim)
@@ -186,6 +183,12 @@ class IntCodec(RowCodec):
         shift = (low - low16.float()).abs() + (2**self.bits - 1) * (scale - scale16.float()).abs()
         bound = 0.5 * scale16.float() + shift + 2.0**-20 * g.abs().amax(-1)
         return bound[..., None].expand_as(g).flatten(-2)
+
+
+@functools.cache
+def _group_channels(head_dim: int, groups: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[groups, D] 0/1: which channels each of ``groups`` equal groups holds (built once, not at every tile)."""
+    return torch.eye(groups, dtype=dtype, device=device).repeat_interleave(head_dim // groups, 1)
 
 
 @dataclass(frozen=True)
@@ -217,8 +220,7 @@ class ChannelCodec(Codec):
         return scale.half(), low.half()
 
     def decode(self, codes: Tensor, meta: Tensor, dtype: torch.dtype) -> Tensor:
-        """Codes [..., S, W] with their pages' metadata [..., S / P, 2D] (one row per page, broadcast over its
-        rows) or [..., S, 2D]."""
+        """Codes [..., S, W] with their pages' metadata [..., S / P, 2D] (broadcast over each page) or [..., S, 2D]."""
         scale, low = (x.unsqueeze(-2) for x in meta.float().unflatten(-1, (-1, 2)).unbind(-1))  # [..., pages, 1, D]
         rows = unpack(codes, self.bits).float().unflatten(-2, (meta.shape[-2], -1))  # [..., pages, rows, D]
         return (rows * scale + low).flatten(-3, -2).to(dtype)

@@ -114,7 +114,8 @@ def paged_attention(
     query that sees no key (a padding row, an empty head) gets zeros. A single query (T == 1) is a decode step:
     the newest token, so without a window no position check is needed. ``first_page``: the heads' pages are the
     packed run starting there (``PagedKVCache.packed``), read in place instead of gathered. ``stored``: the
-    layer's format pool, whose entries every head also holds (``FormatPages``; attended by ``merged_attention``).
+    layer's format pool, whose entries every head also holds (``FormatPages``; attended by ``stored_decode`` for a
+    decode step without a window, else by ``merged_attention``).
     """
     if stored is not None and not stored.empty:
         dense = gather_dense(k_pages, v_pages, page_pos, page_table, lengths, first_page)
