@@ -58,6 +58,18 @@ def byte_llama():
     return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
+def stored_rows(db) -> dict:
+    """A results store's rows by key, wall and write time left out (they differ between equal runs); fails if a
+    row is stored twice."""
+    from kvcompile.eval.store import KEY, Store
+
+    with Store(db) as store:
+        rows = store.rows()
+    by_key = {tuple(r[k] for k in KEY): r for r in rows}
+    assert len(by_key) == len(rows), "a row stored twice"
+    return {k: {c: v for c, v in r.items() if c not in ("wall_s", "created")} for k, r in by_key.items()}
+
+
 def left_padded_batch(lengths, total: int, seed: int = 0):
     """input_ids, attention_mask [len(lengths), total] with row i holding lengths[i] real tokens at the right."""
     g = torch.Generator().manual_seed(seed)

@@ -8,24 +8,15 @@ import threading
 import time
 
 import pytest
-from conftest import byte_llama, byte_tokenizer
+from conftest import byte_llama, byte_tokenizer, stored_rows
 
 from kvcompile import cli
-from kvcompile.eval.store import KEY, Store
 
 ray = pytest.importorskip("ray", reason="the Ray executor needs the ray extra: pip install 'kvcompile[ray]'")
 
 GRID = ["--recipes", "knorm,streamingllm,snapkv", "--budgets", "0.5,0.25", "--tasks", "passkey,niah_single_1",
         "--length", "512", "--kl"]
 CELLS = 1 + 3 * 2  # the full cell, then every recipe at every budget
-
-
-def _rows(db) -> dict:
-    with Store(db) as store:
-        rows = store.rows()
-    by_key = {tuple(r[k] for k in KEY): r for r in rows}
-    assert len(by_key) == len(rows), "a row stored twice"
-    return {k: {c: v for c, v in r.items() if c not in ("wall_s", "created")} for k, r in by_key.items()}
 
 
 def _kill_a_sweep_worker(killed: list) -> None:
@@ -49,7 +40,7 @@ def test_a_ray_grid_resumed_with_a_worker_killed_stores_what_the_local_executor_
     try:
         ray_args = ["eval", "--model", str(folder), *GRID, "--store", on_ray, "--executor", "ray"]
         assert cli.main([*ray_args, "--n-samples", "2"]) == 0  # the first sitting: half the samples
-        assert len(_rows(on_ray)) == 2 * 2 * CELLS
+        assert len(stored_rows(on_ray)) == 2 * 2 * CELLS
         killed = []
         killer = threading.Thread(target=_kill_a_sweep_worker, args=(killed,))
         killer.start()
@@ -60,7 +51,7 @@ def test_a_ray_grid_resumed_with_a_worker_killed_stores_what_the_local_executor_
         ray.shutdown()
     err = capsys.readouterr().err
     assert f"{2 * 2 * CELLS} found stored and skipped" in err and "lost its worker" in err
-    expected, got = _rows(local), _rows(on_ray)
+    expected, got = stored_rows(local), stored_rows(on_ray)
     assert len(expected) == 2 * 4 * CELLS
     assert got.keys() == expected.keys(), "missing or extra cells"
     for key, row in expected.items():

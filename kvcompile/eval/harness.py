@@ -13,15 +13,13 @@ their question; this model does neither:
   compressing after each chunk, so the cache holds about the budget plus one chunk while perplexity is measured.
 
 ``get_model_info`` (merged into ``results["config"]`` by lm-eval) carries the recipe, budget, bytes held per
-request (mean and max) and how many requests were query-aware.
-
-Use: ``kvcompile lm-eval --model kvcompile --model_args pretrained=smollm2-135m,recipe=snapkv,budget=0.25
---tasks kvc_niah_single_1`` (or ``python -m kvcompile.eval ...``; lm-eval has no plugin discovery for models, so
-these entry points register the model and add the kvcompile task folder to ``--include_path``), or in Python
-``simple_evaluate(model=KVCompileLM(cm, tokenizer=tok), tasks=[...], task_manager=lm_eval_cli.task_manager())``.
+request (mean and max) and how many requests were query-aware; ``requests`` keeps each compressed prefill's
+accounting, which ``lm_eval_store`` turns into results-store rows. Entry points: docs/eval.md ("lm-eval model").
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from lm_eval.api.model import TemplateLM
@@ -33,11 +31,13 @@ import kvcompile
 
 from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
+from .ranks import DataParallel
 from .synthetic import SEPARATOR
 
 @register_model("kvcompile")
-class KVCompileLM(TemplateLM):
-    """lm-eval model over a ``CompressedModel`` (batch size 1, greedy generation).
+class KVCompileLM(DataParallel, TemplateLM):
+    """lm-eval model over a ``CompressedModel`` (batch size 1, greedy generation); data-parallel when launched by
+    torchrun (``DataParallel``).
 
     Parameters
     ----------
@@ -64,6 +64,9 @@ class KVCompileLM(TemplateLM):
         super().__init__()
         if str(batch_size) not in ("1", "auto"):
             raise ValueError(f"the kvcompile model evaluates one request at a time; got batch_size={batch_size!r}")
+        if not isinstance(rolling_chunk, int) or rolling_chunk < 1:
+            raise ValueError(f"rolling_chunk must be a positive int, got {rolling_chunk!r}")
+        device = self.join_ranks(device)
         if isinstance(pretrained, CompressedModel):
             if tokenizer is None:
                 raise ValueError("pass tokenizer= together with a CompressedModel")
@@ -84,11 +87,9 @@ class KVCompileLM(TemplateLM):
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        if not isinstance(rolling_chunk, int) or rolling_chunk < 1:
-            raise ValueError(f"rolling_chunk must be a positive int, got {rolling_chunk!r}")
-        self.cm, self.tokenizer, self.rolling_chunk = cm, tokenizer, rolling_chunk
-        self._max_length = max_length
-        self.requests: list[dict] = []  # per-request cache accounting (see get_model_info)
+        self.cm, self.tokenizer, self.rolling_chunk, self._max_length = cm, tokenizer, rolling_chunk, max_length
+        self.model_name = pretrained if isinstance(pretrained, str) else tokenizer.name_or_path  # the store's model
+        self.requests: list[dict] = []  # per compressed prefill: its cache accounting (see get_model_info, _record)
 
     # ------------------------------------------------------------------ lm-eval plumbing
     @property
@@ -104,9 +105,7 @@ class KVCompileLM(TemplateLM):
     def max_length(self) -> int:
         return self._max_length or self.cm.spec.max_positions or 2048
 
-    @property
-    def max_gen_toks(self) -> int:
-        return 256
+    max_gen_toks = 256  # a generation task's answer length when it names none
 
     @property
     def device(self):
@@ -131,7 +130,8 @@ class KVCompileLM(TemplateLM):
         )
 
     def get_model_info(self) -> dict:
-        """What the cache held: recipe, budget, bytes held after compressing each request's context (mean, max)."""
+        """What the cache held: recipe, budget, bytes held after compressing each request's context (mean, max), over
+        this process's requests (rank 0's under torchrun; the results store has every sample's)."""
         held = [r["bytes_held"] for r in self.requests] or [0]
         full = [r["bytes_full"] for r in self.requests] or [0]
         aware = sum(r["query_aware"] for r in self.requests)
@@ -144,12 +144,16 @@ class KVCompileLM(TemplateLM):
             "bytes_full_mean": sum(full) / len(full),
             "query_aware_requests": aware,
             "query_aware": bool(aware) or self.cm.recipe.query_aware,
+            "world_size": self.world_size,
         }}
 
-    def _record(self, query_aware: bool) -> None:
-        stats = self.cm.cache_stats()
-        self.requests.append({"bytes_held": stats["bytes_held"], "bytes_full": stats["bytes_full"],
-                              "peak_bytes_held": stats["peak_bytes_held"], "query_aware": query_aware})
+    def _record(self, contexts: list[str], query_aware: bool, t0: float, stats: dict | None = None) -> None:
+        """Account one compressed prefill, begun at ``t0``, for requests whose first argument is in ``contexts``;
+        ``stats``: the cache's, taken once the context was compressed (default: now)."""
+        stats = stats or self.cm.cache_stats()
+        self.requests.append({"contexts": contexts, "query_aware": query_aware, "wall_s": time.perf_counter() - t0,
+                              **{k: stats[k] for k in ("bytes_held", "bytes_allocated", "bytes_full",
+                                                       "peak_bytes_held")}})
 
     def _split(self, text: str) -> tuple[str, str | None]:
         """(context, rest) at the first ``SEPARATOR``; rest is None when there is none (query-aware)."""
@@ -203,6 +207,7 @@ class KVCompileLM(TemplateLM):
             groups.setdefault((tuple(ctx), boundary, aware), []).append(n)
         bar = tqdm(total=len(entries), disable=disable_tqdm, desc="kvcompile loglikelihood")
         for (ctx, boundary, aware), members in groups.items():
+            t0 = time.perf_counter()
             self.cm.reset()
             if boundary > 0:
                 self.cm.prefill(ids_tensor(list(ctx[:boundary]), self.device), logits="last")
@@ -220,7 +225,7 @@ class KVCompileLM(TemplateLM):
                 results[n] = ans
                 self.cache_hook.add_partial("loglikelihood", entries[n][1], ans)
                 bar.update(1)
-            self._record(query_aware=aware)
+            self._record([entries[n][1][0] for n in members], aware, t0)
         bar.close()
         return results
 
@@ -249,14 +254,16 @@ class KVCompileLM(TemplateLM):
             if room < 1:
                 raise ValueError(f"question plus {budget} new tokens exceed max_length={self.max_length}")
             ctx_ids = ctx_ids[-room:]
+            t0 = time.perf_counter()
             self.cm.reset()
             with torch.no_grad():
                 logits = self.cm.prefill(ids_tensor(ctx_ids, self.device), logits="last")[0, -1]
-            self._record(query_aware=question is None)
+            compressed = self.cm.cache_stats()
             if q_ids:
                 logits = read_question(self.cm, q_ids)
             stop = (lambda toks: any(s in self.tokenizer.decode(toks) for s in until)) if until else None
             tokens = greedy(self.cm, logits, budget, eos_ids={self.eot_token_id}, stop=stop)
+            self._record([text], question is None, t0, compressed)  # the answer's time counts, its tokens not
             answer = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until, None)
             out.append(answer)
             self.cache_hook.add_partial("generate_until", (text, gen_kwargs), answer)
@@ -272,8 +279,9 @@ class KVCompileLM(TemplateLM):
             total = 0.0
             for start in range(0, len(tokens) - 1, self.max_length):
                 window = tokens[start : start + self.max_length + 1]
+                t0 = time.perf_counter()
                 total += self._stream(window)
-                self._record(query_aware=False)
+                self._record([req.args[0]], False, t0)
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return out

@@ -1,11 +1,13 @@
-"""lm-eval's command line and task manager with the kvcompile model registered and the ``kvc_*`` tasks included."""
+"""lm-eval's command line and task manager with the kvcompile model registered and the ``kvc_*`` tasks included;
+``--store PATH`` also writes every sample to a results store (``lm_eval_store``)."""
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-from . import harness  # noqa: F401  (registers the "kvcompile" lm-eval model)
+from . import harness  # registers the "kvcompile" lm-eval model
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 
@@ -22,9 +24,77 @@ def main(argv: list[str] | None = None) -> int:
     """Run lm-eval's command line with the kvcompile model registered and the kvcompile tasks included."""
     from lm_eval.__main__ import cli_evaluate
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    args, store = _take_store(list(sys.argv[1:] if argv is None else argv))
     if args and not {"-h", "--help", "--include_path"} & set(args):
         args += ["--include_path", str(TASKS_DIR)]
+    if store and _option(args, "--model") != "kvcompile":
+        raise SystemExit(f"--store writes the kvcompile model's results; got --model {_option(args, '--model')}")
     sys.argv = ["lm-eval", *args]
-    cli_evaluate()
+    with _storing(store) if store else nullcontext():
+        cli_evaluate()
     return 0
+
+
+def _take_store(args: list[str]) -> tuple[list[str], str | None]:
+    """``args`` without ``--store PATH`` (or ``--store=PATH``), and the path."""
+    for i, a in enumerate(args):
+        if a == "--store":
+            if i + 1 == len(args):
+                raise SystemExit("--store needs a path: --store results.sqlite")
+            return args[:i] + args[i + 2 :], args[i + 1]
+        if a.startswith("--store="):
+            return args[:i] + args[i + 1 :], a.split("=", 1)[1]
+    return args, None
+
+
+def _option(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+@contextmanager
+def _storing(path: str):
+    """For one run, ``lm_eval.simple_evaluate`` (which lm-eval's command line looks up as it runs) builds the
+    kvcompile model itself, asks for per-sample results, gathers every rank's prefills and writes the rows to
+    ``path`` on rank 0. The command line builds its model inside ``simple_evaluate`` and never hands it out, and the
+    rows need that model's accounting; so this wrapper, not a copy of lm-eval's command line."""
+    import lm_eval
+    from lm_eval import evaluator
+
+    from . import lm_eval_store
+    from .store import Store
+
+    def evaluate_and_store(model, model_args=None, *, batch_size=None, max_batch_size=None, device=None,
+                           log_samples=False, **kwargs):
+        extra = {"batch_size": batch_size, "max_batch_size": max_batch_size, "device": device}
+        if isinstance(model_args, dict):
+            lm = harness.KVCompileLM.create_from_arg_obj(model_args, extra)
+        else:
+            lm = harness.KVCompileLM.create_from_arg_string(model_args or "", extra)
+        results = evaluator.simple_evaluate(model=lm, model_args=model_args, batch_size=batch_size,
+                                            max_batch_size=max_batch_size, device=device, log_samples=True, **kwargs)
+        requests = lm.gather_object(lm.requests)  # every rank calls it; rank 0 gets them all
+        if results is not None:
+            results["config"]["model"] = model
+            rows = lm_eval_store.rows(results, lm, [r for rank in requests for r in rank])
+            with Store(path) as store:
+                written = store.add(rows)
+            print(f"results store {path}: {written} of {len(rows)} sample rows written (the rest were stored already)")
+            if not log_samples:
+                results.pop("samples")
+        return results
+
+    had = "simple_evaluate" in vars(lm_eval)
+    before = vars(lm_eval).get("simple_evaluate")
+    lm_eval.simple_evaluate = evaluate_and_store
+    try:
+        yield
+    finally:
+        if had:
+            lm_eval.simple_evaluate = before
+        else:
+            del lm_eval.simple_evaluate

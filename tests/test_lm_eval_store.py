@@ -1,0 +1,64 @@
+"""lm-eval at scale: ``kvcompile lm-eval ... --store`` writes one results-store row per sample, and the same run
+data-parallel under torchrun (two CPU processes over gloo, each scoring half of the documents) stores the same
+rows (wall time and write time aside)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import byte_llama, byte_tokenizer, stored_rows
+
+import lm_eval
+from kvcompile import cli
+
+TASKS = ["kvc_passkey", "kvc_niah_single_1"]
+DOCS = 4
+
+
+def _args(folder, store, out) -> list[str]:
+    meta = {"tokenizer": str(folder), "length": 512, "num_samples": DOCS}
+    return ["run", "--model", "kvcompile", "--model_args", f"pretrained={folder},recipe=snapkv,budget=0.5",
+            "--tasks", ",".join(TASKS), "--metadata", json.dumps(meta), "--store", str(store),
+            "--output_path", str(out)]
+
+
+def _config(out) -> dict:
+    (path,) = out.rglob("results_*.json")
+    return json.loads(path.read_text())["config"]["kvcompile"]
+
+
+def test_samples_land_in_the_store_and_a_torchrun_pair_stores_the_samestored_rows(tmp_path, capsys):
+    folder = tmp_path / "tiny"
+    byte_llama().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    one, two = tmp_path / "one.sqlite", tmp_path / "two.sqlite"
+    assert cli.main(["lm-eval", *_args(folder, one, tmp_path / "out1")]) == 0
+    assert lm_eval.simple_evaluate.__module__ == "lm_eval.evaluator", "the run left lm-eval patched"
+    single = stored_rows(one)
+    assert {(k[1], k[4]) for k in single} == {(t, d) for t in TASKS for d in range(DOCS)}
+    assert all(r["bytes_held"] < 0.6 * r["bytes_full"] and r["recipe"] == "snapkv" and r["length"] == 512
+               and r["query_aware"] == 0 for r in single.values())
+    assert len({r["bytes_full"] for r in single.values()}) > 2, "every document should carry its own accounting"
+    assert _config(tmp_path / "out1")["world_size"] == 1
+    assert "8 of 8 sample rows written" in capsys.readouterr().out
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "kvcompile.eval", *_args(folder, two, tmp_path / "out2")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert stored_rows(two) == single
+    info = _config(tmp_path / "out2")
+    assert info["world_size"] == 2 and info["requests"] == len(TASKS) * DOCS // 2  # rank 0 served half
+
+
+def test_store_needs_the_kvcompile_model_and_a_path(tmp_path):
+    with pytest.raises(SystemExit, match="--store writes the kvcompile model's results; got --model hf"):
+        cli.main(["lm-eval", "run", "--model", "hf", "--tasks", "kvc_passkey", "--store", str(tmp_path / "s.db")])
+    with pytest.raises(SystemExit, match="--store needs a path"):
+        cli.main(["lm-eval", "run", "--model", "kvcompile", "--tasks", "kvc_passkey", "--store"])
+    assert not (tmp_path / "s.db").exists()
