@@ -149,8 +149,10 @@ def _fidelity(args) -> int:
 
     from kvcompile.eval import fidelity
 
+    from .eval.store import Store
     from .eval.sweep import parse_budget
 
+    store = Store(args.store) if args.store else None  # a bad store path fails before the measurement, not after
     cm, tok = _load(args.model)
     rows = fidelity.measure(
         cm, tok, _csv(args.recipes), [parse_budget(b) for b in _csv(args.budgets)], context=args.context,
@@ -158,8 +160,15 @@ def _fidelity(args) -> int:
     )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+        plain = [{k: v for k, v in r.items() if k != "cell"} for r in rows]
+        Path(args.out).write_text(json.dumps({"model": args.model, "rows": plain}, indent=1))
         print(f"wrote {args.out}", file=sys.stderr)
+    if store:
+        dtype = str(cm.cache.k_pages.dtype).removeprefix("torch.")
+        stored = fidelity.store_rows(rows, args.model, dtype, args.seed)
+        with store:
+            written = store.add(stored)
+        print(f"results store {args.store}: {written} of {len(stored)} window rows written", file=sys.stderr)
     print(f"{'recipe':<16}{'budget':>7}{'drop mass':>10}{'attn err':>9}{'KL mean':>9}{'KL p99':>8}{'KL max':>8}"
           f"{'top1':>6}{'PPL':>8}{'PPL full':>9}{'greedy':>7}")
     for r in rows:
@@ -245,6 +254,7 @@ def main(argv=None) -> int:
     fi.add_argument("--greedy-tokens", type=int, default=64)
     fi.add_argument("--seed", type=int, default=0)
     fi.add_argument("--out", default=None, help="JSON output path")
+    fi.add_argument("--store", default=None, help="also write one row per (cell, window) to this results store")
     sub.add_parser("lm-eval", help="lm-eval's command line (kvcompile lm-eval --help) with the kvcompile model "
                    "and tasks registered")
     sub.add_parser("recipes", help="list the built-in recipes: name@version, provenance, what is inferred, source")

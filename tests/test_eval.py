@@ -103,7 +103,7 @@ def test_fidelity_is_exact_at_full_budget_and_oracle_beats_random(tiny):
     rows = fidelity.measure(cm, tok, ["random"], [0.25], context=96, scored=32, windows=1, greedy_tokens=0,
                             progress=False)
     rand, oracle = rows
-    assert oracle["recipe"] == "oracle" and rand["kl_mean"] > 1e-4
+    assert oracle["recipe"] == "oracle@1" and rand["kl_mean"] > 1e-4
     assert 0 < oracle["dropped_mass"] < rand["dropped_mass"]
 
 

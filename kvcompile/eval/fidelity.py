@@ -16,6 +16,7 @@ context token and ``scored`` continuation tokens are teacher-forced over the com
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from ..recipes import Recipe, get_recipe
 from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
 from .oracle import future_attention
+from .store import cell_keys
 from .synthetic import _prose
 
 
@@ -121,8 +123,8 @@ def measure(
         raise ValueError(f"scored={scored} must be at least the widest observation window ({widest})")
     probe_recipe = Recipe("oracle-probe", "oracle", scorer_args={"window": scored})
     base_model = kvcompile.apply(cm, budget=1.0, recipe=probe_recipe)
-    cells = [(r, b) for r in recipes for b in budgets] + ([("oracle", b) for b in budgets] if oracle else [])
-    acc: dict[int, dict] = {i: {"parts": [], "mass": [], "err": [], "held": []} for i in range(len(cells))}
+    cells = [(r, b) for r in recipes for b in budgets] + ([(ORACLE, b) for b in budgets] if oracle else [])
+    acc: dict[int, dict] = {i: {"parts": [], "mass": [], "err": [], "windows": []} for i in range(len(cells))}
     texts = prose_windows(tokenizer, windows, context + scored, seed)
     bar = tqdm(total=len(texts) * len(cells), disable=not progress, desc="fidelity")
     for w, ids in enumerate(texts):
@@ -139,13 +141,14 @@ def measure(
             full_greedy = greedy(g, read_question(g, ctx[-1:]), greedy_tokens)
         future = None
         for i, (recipe, budget) in enumerate(cells):
-            if recipe == "oracle":
+            t0 = time.perf_counter()
+            if recipe is ORACLE:
                 if future is None:
                     future = future_attention(probe.cache, probe.programs.layers, context - 1)
                 recipe = Recipe("oracle", "oracle", scorer_args={"scores": future})
             kept = base_model.fork(recipe, budget)
             kept.compress()
-            acc[i]["held"].append(kept.cache_stats()["bytes_held"])
+            stats = kept.cache_stats()
             mass, err = local_errors(probe, kept, context - 1)
             acc[i]["mass"].append(mass)
             acc[i]["err"].append(err)
@@ -156,25 +159,53 @@ def measure(
                 acc[i]["greedy_agree"] = sum(same) / len(same)
                 acc[i]["greedy_first_diff"] = same.index(False) if False in same else len(same)
             logits = kept.prefill(ids_tensor(tail, kept.device), compress=False, logits="all")[0]
-            acc[i]["parts"].append(next_token_metrics(full_logits, logits, targets))
+            part = next_token_metrics(full_logits, logits, targets)
+            acc[i]["parts"].append(part)
+            acc[i]["windows"].append({**{k: stats[k] for k in ("bytes_held", "bytes_allocated", "bytes_full")},
+                                      **_window_kl(summarize([part])), "wall_s": time.perf_counter() - t0})
             bar.update(1)
     bar.close()
     rows = []
     for i, (recipe, budget) in enumerate(cells):
         a = acc[i]
         mass, err = torch.stack(a["mass"]).mean(0), torch.stack(a["err"]).mean(0)
+        held = [w["bytes_held"] for w in a["windows"]]
         rows.append({
-            "recipe": recipe if isinstance(recipe, str) else recipe.tag,
+            "recipe": recipe.tag,
             "budget": str(kvcompile.Budget.parse(budget)),
             **summarize(a["parts"]),
             "greedy_agree": a.get("greedy_agree"),
             "greedy_first_diff": a.get("greedy_first_diff"),
             "dropped_mass": float(mass.mean()),
             "attn_rel_err": float(err.mean()),
-            "bytes_held_mean": sum(a["held"]) / len(a["held"]),
+            "bytes_held_mean": sum(held) / len(held),
             "dropped_mass_layer_head": mass.tolist(),
             "attn_rel_err_layer_head": err.tolist(),
             "context_tokens": context,
             "windows": len(texts),
+            "per_window": a["windows"],  # the results store's rows (``store_rows``)
+            "cell": (recipe, budget),  # as given (``store_rows`` keys rows by it, as the sweep does)
         })
     return rows
+
+
+# The oracle's cells, keyed in the store by this record (its scores are the continuation's, set per window): a
+# control that sees the continuation, hence query-aware.
+ORACLE = Recipe("oracle", "oracle", provenance="control", query_aware=True)
+
+
+def _window_kl(summary: dict) -> dict:
+    return {"kl_mean": summary["kl_mean"], "kl_p99": summary["kl_p99"], "top1": summary["top1"],
+            "kl_tokens": summary["scored_tokens"]}
+
+
+def store_rows(rows: list[dict], model: str, dtype: str, seed: int = 0) -> list[dict]:
+    """``measure``'s rows as results-store rows: task ``fidelity``, one sample per window, KL and bytes as
+    measured, no score (fidelity has none). ``model``: the name as given; ``dtype``: the cache's."""
+    out = []
+    for row in rows:
+        length = row["context_tokens"] + row["per_window"][0]["kl_tokens"]
+        for w, window in enumerate(row["per_window"]):
+            key = cell_keys([row["cell"]], model, "fidelity", w, length, seed, dtype)[0]
+            out.append({**key, **window, "query_aware": row["cell"][0].query_aware})
+    return out

@@ -1,6 +1,6 @@
 """lm-eval's per-sample results as results-store rows (``kvcompile lm-eval ... --store PATH``).
 
-One row per (task, document), keyed as the sweep keys its cells (``sweep.cell_keys``): the lm-eval task name is
+One row per (task, document), keyed as the sweep keys its cells (``store.cell_keys``): the lm-eval task name is
 the task, the document index the sample, the task's ``length`` and ``seed`` metadata (0 where it has none) the
 length and seed. The score is the task's first metric. Bytes and time are those of the compressed prefills that
 served the document's requests (the most bytes over them, their time summed), matched by the requests' first
@@ -9,7 +9,7 @@ from its own response cache (``--use_cache``) was never prefilled: its bytes and
 
 from __future__ import annotations
 
-from .sweep import cell_keys
+from .store import cell_keys
 
 _BYTES = ("bytes_held", "bytes_allocated", "bytes_full")
 

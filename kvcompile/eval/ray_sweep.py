@@ -23,7 +23,7 @@ import sys
 from tqdm import tqdm
 
 from . import sweep
-from .store import Store
+from .store import Store, cell_keys
 from .synthetic import get_task
 
 RETRIES = 3  # times one unit may lose its worker before the sweep gives up
@@ -74,7 +74,7 @@ def run(model: str, recipes: list, budgets: list, tasks: list[str], *, n_samples
             return pool[-1]
 
         units = [(t, i) for t in tasks for i in range(n_samples)]
-        keys = {u: sweep.cell_keys(cells, model, *u, length, seed, DTYPE) for u in units}
+        keys = {u: cell_keys(cells, model, *u, length, seed, DTYPE) for u in units}
         count = workers or max(1, int(ray.cluster_resources().get("CPU", 1)) // cpus_per_worker)
         return _drive(ray, count, spawn, units, keys, cells, store, kl, progress,
                       (budgets, tasks, n_samples, length, seed))

@@ -146,6 +146,14 @@ class Store:
         return [dict(r) for r in self.db.execute("SELECT * FROM results ORDER BY rowid")]
 
 
+def cell_keys(cells: list, model: str, task: str, index: int, length: int, seed: int, dtype: str) -> list[dict]:
+    """The store key (and provenance) of every cell, a (recipe, budget) pair, on sample ``index`` of ``task``, for a
+    model whose cache is in ``dtype``: what every writer (sweep, lm-eval, fidelity) keys its rows by."""
+    context_key = {"model": model, "task": task, "length": length, "seed": seed, "sample": index}
+    return [{**context_key, "recipe": r.name, "version": r.version, "fingerprint": r.fingerprint, "budget": str(b),
+             "provenance": r.provenance, "format": r.format or dtype} for r, b in cells]
+
+
 def _key(row: dict) -> tuple:
     missing = [k for k in KEY if row.get(k) is None]
     if missing:

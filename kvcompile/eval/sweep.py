@@ -28,7 +28,7 @@ from ..model import CompressedModel
 from . import report
 from .decoding import greedy, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
-from .store import VALUES, Store
+from .store import VALUES, Store, cell_keys
 from .synthetic import get_task, make_sample
 
 
@@ -158,13 +158,6 @@ class Sweeper:
                 rows.append(dict.fromkeys(VALUES) | key | row)
         return {"rows": rows, "answers": answers, "context": context, "question": question, "prefill_s": prefill_s,
                 "cells_s": time.perf_counter() - t0}
-
-
-def cell_keys(cells: list, model: str, task: str, index: int, length: int, seed: int, dtype: str) -> list[dict]:
-    """The store key of every cell on context ``index`` of ``task``, for a model whose cache is in ``dtype``."""
-    context_key = {"model": model, "task": task, "length": length, "seed": seed, "sample": index}
-    return [{**context_key, "recipe": r.name, "version": r.version, "fingerprint": r.fingerprint, "budget": str(b),
-             "provenance": r.provenance, "format": r.format or dtype} for r, b in cells]
 
 
 def new_timing() -> dict:

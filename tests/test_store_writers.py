@@ -1,6 +1,7 @@
-"""lm-eval at scale: ``kvcompile lm-eval ... --store`` writes one results-store row per sample, and the same run
-data-parallel under torchrun (two CPU processes over gloo, each scoring half of the documents) stores the same
-rows (wall time and write time aside)."""
+"""The results writers besides the sweep (tests/test_store.py, tests/test_ray_sweep.py): ``kvcompile lm-eval ...
+--store`` writes one row per sample, and the same run data-parallel under torchrun (two CPU processes over gloo,
+each scoring half of the documents) stores the same rows (wall time and write time aside); ``kvcompile fidelity
+--store`` writes one row per (cell, window) whose pooled KL is the measurement's."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from conftest import byte_llama, byte_tokenizer, stored_rows
 
 import lm_eval
 from kvcompile import cli
+from kvcompile.eval import report
+from kvcompile.eval.store import Store
 
 TASKS = ["kvc_passkey", "kvc_niah_single_1"]
 DOCS = 4
@@ -54,6 +57,28 @@ def test_samples_land_in_the_store_and_a_torchrun_pair_stores_the_samestored_row
     assert stored_rows(two) == single
     info = _config(tmp_path / "out2")
     assert info["world_size"] == 2 and info["requests"] == len(TASKS) * DOCS // 2  # rank 0 served half
+
+
+def test_fidelity_windows_land_in_the_store_and_pool_to_the_measurement(tmp_path):
+    folder = tmp_path / "tiny"
+    byte_llama().save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    db, out = tmp_path / "f.sqlite", tmp_path / "f.json"
+    assert cli.main(["fidelity", "--model", str(folder), "--recipes", "random,knorm", "--budgets", "0.25,64",
+                     "--context", "96", "--scored", "32", "--windows", "2", "--greedy-tokens", "0",
+                     "--out", str(out), "--store", str(db)]) == 0
+    measured = {(r["recipe"], r["budget"]): r for r in json.loads(out.read_text())["rows"]}
+    with Store(db) as store:
+        rows = store.rows()
+    assert len(rows) == 3 * 2 * 2 and {r["task"] for r in rows} == {"fidelity"}  # random, knorm, oracle x 2 x 2
+    assert {r["budget"] for r in rows} == {"0.25", "64"} and all(r["length"] == 128 for r in rows)
+    cells = report.cells(rows)
+    assert len(cells) == 6
+    for c in cells:
+        m = measured[(f"{c['recipe']}@{c['version']}", "64 tokens/head" if c["budget"] == "64" else c["budget"])]
+        assert c["kl_mean"] == pytest.approx(m["kl_mean"], rel=1e-6) and c["top1"] == pytest.approx(m["top1"])
+        assert c["bytes_held_mean"] == pytest.approx(m["bytes_held_mean"]) and c["score"] is None
+        assert c["query_aware"] == (c["recipe"] == "oracle") and c["n"] == 2
 
 
 def test_store_needs_the_kvcompile_model_and_a_path(tmp_path):
