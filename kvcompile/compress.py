@@ -20,7 +20,7 @@ from .cache import PagedKVCache
 from .methods import Allocator, Scorer
 from .methods.base import is_pinned
 from .observation import observe
-from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
+from .plan import STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
 
 
@@ -110,32 +110,17 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     format, store what is kept in it (every token, unscored, when they all fit), except the ``precise_recent``
     newest tokens, which stay in the model's dtype (a recipe that evicts nothing only)."""
     held = cache.held().long()
-    recent = recent_entries(cache, precise_recent)
-    n_recent = recent.sum(-1)
+    n_recent = cache.newest(precise_recent).sum(-1)
     fits = cache.pages_held(held - n_recent).sum(dim=(0, 2)) * cache.stored_page_bytes \
         + cache.pages_held(n_recent).sum(dim=(0, 2)) * cache.page_bytes <= budget_bytes
     if scorer is None and not bool(fits.all()):
         raise ValueError(f"every token in {cache.page_format} pages does not fit the budget ({int(budget_bytes.min())} "
                          "bytes in a sequence); add a scorer that evicts, or raise the budget")
     if cache.page_format is not None and (scorer is None or bool(fits.all())):
-        plan = Plan(torch.arange(max(int(held.max()), 1), device=cache.device).expand(*held.shape, -1), held)
-    else:
-        scores, stats = score_all(cache, scorer, layers, allocator)
-        plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers)
-    if cache.page_format is not None:
-        formats = torch.full_like(plan.keep, STORED_FORMAT)
-        if precise_recent:
-            formats = formats.masked_fill(recent.gather(-1, plan.keep.clamp_max(recent.shape[-1] - 1)), DTYPE_FORMAT)
-        plan = dataclasses.replace(plan, formats=formats)
+        cache.demote(precise_recent)
+        return
+    scores, stats = score_all(cache, scorer, layers, allocator)
+    plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers)
+    if cache.page_format is not None:  # a scorer's recipe has no precise recent window (``Recipe``)
+        plan = dataclasses.replace(plan, formats=torch.full_like(plan.keep, STORED_FORMAT))
     cache.keep(plan)
-
-
-def recent_entries(cache: PagedKVCache, window: int) -> Tensor:
-    """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0)."""
-    if not window:
-        return torch.zeros(*cache.lengths.shape, 1, dtype=torch.bool, device=cache.device)
-    views = [cache.dense(layer) for layer in range(cache.num_layers)]
-    S = max(v[2].shape[-1] for v in views)
-    pos = torch.stack([F.pad(v[2], (0, S - v[2].shape[-1]), value=-1) for v in views])
-    valid = torch.stack([F.pad(v[3], (0, S - v[3].shape[-1])) for v in views])
-    return valid & (pos >= (cache.seen - window)[None, :, None, None])

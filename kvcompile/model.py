@@ -43,7 +43,7 @@ class CompressedModel(Steps, nn.Module):
         source: nn.Module | None = None,
     ):
         super().__init__()
-        self.programs, self.spec, self.recipe, self.budget = programs, spec, recipe, budget
+        self.programs, self.spec, self.recipe, self.budget = programs.for_format(recipe.format), spec, recipe, budget
         self.source = source  # the model applied to: its weights are this model's parameters
         self.scorer, self.allocator = recipe.build()
         checks.recipe(recipe, self.allocator, budget, spec, page_size)
@@ -88,7 +88,7 @@ class CompressedModel(Steps, nn.Module):
         if weight is None or self.programs.weights == (weight.dtype, weight.device):
             return
         self.spec = ModelSpec.from_model(self.source)
-        self.programs = Programs.of(self.source, self.spec).compile(self.programs.compiled)
+        self.programs = Programs.of(self.source, self.spec).compile(self.programs.compiled, self.recipe.format)
         self.cache.to(device=weight.device, dtype=weight.dtype)
 
     # ------------------------------------------------------------------ state

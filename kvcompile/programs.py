@@ -68,8 +68,9 @@ class Programs:
         programs._variants[None] = programs  # every variant shares this table: compile(False) gives the eager ones
         return programs
 
-    def compile(self, backend) -> "Programs":
-        """These programs through ``torch.compile`` with ``backend`` (``True``: Inductor), made once per backend.
+    def compile(self, backend, page_format: str | None = None) -> "Programs":
+        """These programs through ``torch.compile`` with ``backend`` (``True``: Inductor), made once per backend and
+        page format (``for_format``).
 
         Prefill: dynamic shapes. Decode: static shapes except what ``_mark_dynamic`` marks at each call; in a CUDA
         graph on CUDA (mode="reduce-overhead", not yet run on a GPU)."""
@@ -78,18 +79,29 @@ class Programs:
         if self.captured is None:
             raise ValueError("these programs were loaded from an artifact: they are compiled already")
         backend = "inductor" if backend is True else backend
-        key = backend if isinstance(backend, str) else id(backend)
+        key = (backend if isinstance(backend, str) else id(backend), page_format)
         if key not in self._variants:
             eager = self._variants[None]
             cuda = next(eager.captured.parameters()).device.type == "cuda"
             mode = "reduce-overhead" if cuda and backend == "inductor" else None
-            prefill, prefill_last = (torch.compile(p, backend=backend, fullgraph=True, dynamic=True)
+            # Dynamo keeps compiled code, and counts recompiles, per code object: each variant compiles its own
+            # copy of the graphs (the same weights, a new ``forward``), so variants never share a recompile limit
+            own = lambda gm: fx.GraphModule(gm, gm.graph)  # noqa: E731
+            prefill, prefill_last = (torch.compile(own(p), backend=backend, fullgraph=True, dynamic=True)
                                      for p in (eager.prefill, eager.prefill_last))
-            decode, decode_packed = (torch.compile(p, backend=backend, fullgraph=True, dynamic=False, mode=mode)
+            decode, decode_packed = (torch.compile(own(p), backend=backend, fullgraph=True, dynamic=False, mode=mode)
                                      for p in (eager.decode, eager.decode_packed))
             self._variants[key] = Programs(prefill, prefill_last, decode, decode_packed, self.layers, self.vocab_size,
                                            self.captured, backend, self.weights, self._variants)
         return self._variants[key]
+
+    def for_format(self, page_format: str | None) -> "Programs":
+        """The variant of these programs that serves caches in ``page_format``. Compiled code specialises on a
+        format's code widths and dtypes, so each format gets its own compiled functions: sharing them, the formats
+        of one process (a sweep's forks) would pile recompiles onto one function until Dynamo's recompile limit."""
+        if not self.compiled or self.captured is None:
+            return self
+        return self.compile(self.compiled, page_format)
 
     def run(self, name: str, input_ids: Tensor, step: Step, cache: PagedKVCache) -> Tensor:
         """Call program ``name`` ("prefill", "prefill_last" or "decode") on a step: the packed decode where the

@@ -1,5 +1,7 @@
 """The steps of a ``CompressedModel`` (mixed into it): where a prompt's or a decoded token's tokens go
-(``PagedKVCache.append``), the program that reads them (``Programs.run``), and the decode schedule around them."""
+(``PagedKVCache.append``), the program that reads them (``Programs.run``), and what keeps the cache in shape
+between decode steps: a recipe's decode schedule, or a format recipe's demotion of the tokens that leave its
+precise recent window (``PagedKVCache.demote``)."""
 
 from __future__ import annotations
 
@@ -77,10 +79,18 @@ class Steps:
         with self._changing():
             self._begin_decoding()
             while start < T:
-                n = T - start if self.decoder is None else min(T - start, self.decoder.until_run())
+                n = min(T - start, self._until_maintenance() or T)
                 outs.append(self._advance("prefill", input_ids[:, start : start + n], real[:, start : start + n]))
                 start += n
         return torch.cat(outs, 1)
+
+    def _until_maintenance(self) -> int | None:
+        """Decode steps from now up to and including the one after which the cache is next compressed or demoted
+        (None: never)."""
+        if self.decoder is not None:
+            return self.decoder.until_run()
+        window = self.recipe.precise_recent
+        return max(window - self.cache.appended, 1) if window else None
 
     def _begin_decoding(self) -> None:
         if self.decoder is None and self.schedule is not None:  # decoding starts: the cap holds from here on
@@ -98,4 +108,7 @@ class Steps:
         logits = self.programs.run(name, input_ids.to(self.device), step, self.cache)
         if self.decoder is not None:
             self.decoder.step(self.cache, input_ids.shape[1])
+        elif self.recipe.precise_recent and self.cache.appended >= self.recipe.precise_recent:
+            # the tokens that left the window go to the format: at most 2 x precise_recent stay in the model dtype
+            self.cache.demote(self.recipe.precise_recent, shrink=False)
         return logits

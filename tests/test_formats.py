@@ -255,6 +255,37 @@ def test_kivi_keeps_its_residual_window_in_the_model_dtype(llama_cm):
         assert kvcompile.recipes()[name].format == name
 
 
+@pytest.mark.parametrize("name", ["kivi2", "int4"])
+def test_decoding_demotes_what_leaves_the_window_and_teacher_forcing_sees_the_same_cache(llama_cm, name):
+    """While generating, the tokens that leave the ``precise_recent`` window move to the format (KIVI quantizes
+    each full group as it decodes): every head holds at most 2 x the window in the model dtype, however long the
+    generation, and nothing is evicted. ``decode_many`` over the generated tokens crosses the same demotions as
+    one ``decode`` per token, so it returns the same logits and leaves the same cache."""
+    R, new = 8, 40
+    recipe = Recipe(f"{name}-r{R}", None, format=name, precise_recent=R)
+    cm = kvcompile.apply(llama_cm, budget=0.5, recipe=recipe, page_size=4)
+    ids, mask = _prompt()
+    out = cm.generate(ids, mask, max_new_tokens=new, eos_token_id=[])
+    stats = cm.cache_stats()
+    seen = mask.sum(1) + new - 1  # the last token is returned, never read
+    assert stats["tokens_held"] == int(seen.sum()) * 3 * 2, "demotion evicted something"
+    in_dtype = torch.tensor(stats["lengths"]) - cm.cache.fmt_lengths
+    assert int(in_dtype.max()) <= 2 * R and int(in_dtype.min()) >= R
+    assert stats["formats"][name]["tokens"] == int(seen.sum()) * 3 * 2 - int(in_dtype.sum())
+
+    cm.reset()
+    cm.prefill(ids, mask)
+    stepped = torch.cat([cm.decode(out[:, 60 + t : 61 + t]) for t in range(new - 1)], 1)
+    held = lambda: (lambda k, v, p, ok: (k[ok], v[ok], p[ok]))(*cm.cache.dense(1))  # noqa: E731
+    dense = held()
+    cm.reset()
+    cm.prefill(ids, mask)
+    forced = cm.decode_many(out[:, 60 : 60 + new - 1])
+    torch.testing.assert_close(forced, stepped, rtol=1e-4, atol=1e-4)
+    for x, y in zip(held(), dense):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
+
+
 def test_moving_the_cache_to_another_dtype_keeps_its_format_pages(llama_cm):
     cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full+fp8", page_size=4)
     ids, mask = _prompt()
@@ -312,4 +343,33 @@ def test_compiled_programs_read_format_pages_without_recompiling(llama_cm):
     other = left_padded_batch([33, 50], total=50, seed=4)
     assert torch.equal(compiled.generate(*other, max_new_tokens=6, eos_token_id=[]),
                        cm.generate(*other, max_new_tokens=6, eos_token_id=[]))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "another prompt length recompiled"
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp8", "int3", "k8v4", "kivi2-r8"])
+def test_every_format_compiles_to_the_eager_tokens_without_recompiling_per_length(llama_cm, name):
+    """Each kind of format through ``torch.compile`` (full graph, Dynamo's ``eager`` backend: the capture and its
+    guards, where a format's code dtypes and metadata shapes meet the compiler; the format decode is one opaque op
+    after that, and Inductor runs it on int4 above): the eager model's tokens, and a second prompt length
+    recompiles nothing. One format per codec layout: a narrow float (bf16 alike), fp8 bytes with row scales,
+    packed odd-width integers (int8, int4 and int2 alike), different key and value codecs, and KIVI's page-local
+    keys demoting while it decodes (``-r8``: the format pool changes size between steps). With eviction (snapkv)
+    or demotion, so both pools are read: the format's and the model dtype's (decoded tokens). All of them run in
+    one process, as a sweep's forks do: each format compiles its own programs (``Programs.for_format``)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    fmt = name.split("-")[0]
+    recipe = Recipe(name, None, format=fmt, precise_recent=8) if "-r" in name else f"snapkv+{name}"
+    eager = kvcompile.apply(llama_cm, budget=0.25 if "-r" not in name else 0.5, recipe=recipe, page_size=4)
+    compiled = kvcompile.apply(eager, budget=eager.budget, recipe=recipe, page_size=4, compile="eager")
+    ids, mask = _prompt()
+    assert torch.equal(compiled.generate(ids, mask, max_new_tokens=12, eos_token_id=[]),
+                       eager.generate(ids, mask, max_new_tokens=12, eos_token_id=[]))
+    assert compiled.cache_stats()["formats"][fmt]["tokens"] > 0, "nothing was stored in the format"
+    another = kvcompile.apply(eager, budget=0.25, recipe="snapkv+int8" if fmt != "int8" else "snapkv", compile="eager")
+    assert another.programs.decode is not compiled.programs.decode, "two formats share compiled code"
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    other = left_padded_batch([33, 50], total=50, seed=4)
+    assert torch.equal(compiled.generate(*other, max_new_tokens=12, eos_token_id=[]),
+                       eager.generate(*other, max_new_tokens=12, eos_token_id=[]))
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "another prompt length recompiled"

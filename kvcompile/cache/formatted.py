@@ -21,11 +21,12 @@ model-dtype pool, so quantization never runs inside a program.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import reference
 from ..kernels.formats import encode_pool, get_format
-from ..plan import STORED_FORMAT, Plan
+from ..plan import DTYPE_FORMAT, STORED_FORMAT, Plan
 
 MIN_PAGES = 2  # pages of a format pool at least: the scratch page and a spare
 FORMAT_TENSORS = ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos", "fmt_table", "fmt_lengths")
@@ -101,6 +102,27 @@ class FormatPool:
                                                                   if a.dim() == 4 else src)
                                       for a, b in zip(stored, dense))
         return keys, values, positions, j < (n[..., 0] + self.lengths[layer])[..., None]
+
+    def newest(self, window: int) -> Tensor:
+        """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0)."""
+        if not window:
+            return torch.zeros(*self.lengths.shape, 1, dtype=torch.bool, device=self.device)
+        views = [self.dense(layer) for layer in range(self.num_layers)]
+        S = max(v[2].shape[-1] for v in views)
+        pos = torch.stack([F.pad(v[2], (0, S - v[2].shape[-1]), value=-1) for v in views])
+        valid = torch.stack([F.pad(v[3], (0, S - v[3].shape[-1])) for v in views])
+        return valid & (pos >= (self.seen - window)[None, :, None, None])
+
+    def demote(self, precise_recent: int, shrink: bool = True) -> None:
+        """Store every held entry in the page format except each row's ``precise_recent`` newest tokens, which stay
+        in the model's dtype; nothing is evicted. What a format recipe that evicts nothing does when it compresses,
+        and, while decoding, to the tokens that left its recent window (``Steps._advance``)."""
+        held = self.held().long()
+        keep = torch.arange(max(int(held.max()), 1), device=self.device).expand(*held.shape, -1)
+        recent = self.newest(precise_recent)
+        formats = torch.full_like(keep, STORED_FORMAT).masked_fill(
+            recent.gather(-1, keep.clamp_max(recent.shape[-1] - 1)), DTYPE_FORMAT)
+        self.keep(Plan(keep, held, formats=formats), shrink=shrink)
 
     def _keep_formatted(self, plan: Plan) -> Plan:
         """Lay the format pool out anew with the entries ``plan`` keeps in the page format (stored ones moved as

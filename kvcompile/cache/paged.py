@@ -82,6 +82,7 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         self.keep_ids = keep_ids  # a method reads the token id of each held entry (``ContextTokens``)
         self.ring = QueryRing(num_layers, num_q_heads, head_dim, dtype, dev)
         self.room = 0  # tokens every head can still take without reserving pages (a host count)
+        self.appended = 0  # tokens any row appended since the last ``keep``, at most (a host count: T per step)
         self.peaks: dict[str, int] = {}
         self._packed_for: tuple = (lambda: None, -1, False)  # ``packed``'s answer, and for which page table
 
@@ -110,7 +111,7 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         self.token_ids, self.logged = self.token_ids.new_zeros(batch_size, 0), 0
         self.ring.setup(batch_size)
         self._empty_format_pool(batch_size)
-        self.room, self.peaks = 0, {}
+        self.room, self.peaks, self.appended = 0, {}, 0
 
     # ------------------------------------------------------------------ steps
     def append(self, real: Tensor, observe: int = 0, reserve_ahead: int = 0, ids: Tensor | None = None) -> Step:
@@ -138,7 +139,7 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         rows = reference.rows_of(self.page_table, j.clamp_min(0), self.page_size)
         slots = torch.where(real[None, :, None, :], rows, 0)
         self.lengths += n_new.to(torch.int32)[None, :, None]
-        self.room = max(self.room - T, 0)
+        self.room, self.appended = max(self.room - T, 0), self.appended + T
         return Step(pos.clamp_min(0), q_pos, slots, ring_slots)
 
     def _log_ids(self, ids: Tensor, q_pos: Tensor) -> None:
@@ -184,6 +185,7 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         self.release_unused()
         if shrink:
             self.trim()
+        self.appended = 0
         self._note(held=True)
 
     def drop_from(self, seen: Tensor) -> None:

@@ -72,7 +72,8 @@ def markdown(rows: list[dict]) -> str:
         seeds = sorted({r["seed"] for r in rows if (r["model"], r["length"], r["format"]) == (model, length, form)})
         out += [f"## {model} @ {length} tokens, {form}", "",
                 f"Seeds {', '.join(map(str, seeds))}; n: samples that succeeded. Bytes: K/V pages held per request "
-                "after compressing the context; wall: seconds per cell (all samples), a shared prefill excluded.",
+                "after compressing the context; wall: seconds per cell (all samples; a sweep's shared prefill excluded, "
+                "lm-eval's prefills included).",
                 "", *table(part), ""]
     return "\n".join(out)
 

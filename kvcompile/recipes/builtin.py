@@ -214,12 +214,13 @@ _BUILTIN = [
            source="https://arxiv.org/abs/2609.03494", provenance="abstract",
            inferred="the method from a full-text summary; betas, working set, threshold, floor, max_share, "
                     "token-level eviction"),
-    *(Recipe(f"kivi{bits}", None, format=f"kivi{bits}", precise_recent=128, source="https://arxiv.org/abs/2402.02750",
-             provenance="abstract",
+    *(Recipe(f"kivi{bits}", None, format=f"kivi{bits}", precise_recent=128, version=2,
+             source="https://arxiv.org/abs/2402.02750", provenance="abstract",
              inferred="KIVI's layout as research/formats.md reports it (its code was not read here): keys per "
                       "channel over one page of P tokens (KIVI: groups of 32 tokens), values per token in groups "
-                      "of 32 channels, fp16 scale and minimum; the newest 128 tokens stay in the model's dtype "
-                      "until the next compression (KIVI quantizes every full group while decoding)")
+                      "of 32 channels, fp16 scale and minimum; the newest 128 tokens stay in the model's dtype, "
+                      "and while decoding, every 128 tokens, those that left that window move to the format, so "
+                      "128 to 256 stay in the dtype (KIVI quantizes every full group of 32: 128 to 160)")
       for bits in (2, 4)),
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILTIN}

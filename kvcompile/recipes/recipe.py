@@ -35,7 +35,8 @@ class Recipe:
     prefill_chunk: int | None = None  # prefill this many tokens at a time (``apply``'s default for this recipe)
     rerotate_keys: bool = False  # after compressing, move kept keys to contiguous positions (``kvcompile.rerotation``)
     format: str | None = None  # store what compression keeps in this page format (``kernels.formats``; None: dtype)
-    precise_recent: int = 0  # with a format: the newest tokens stay in the model's dtype (KIVI's residual window)
+    precise_recent: int = 0  # with a format: the newest tokens stay in the model's dtype (KIVI's residual window;
+    # while decoding, every precise_recent tokens, those older than the window move to the format: ``Steps``)
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:
