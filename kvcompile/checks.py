@@ -108,7 +108,9 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
             raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
         return
     unsupported = {"a decode-time schedule": recipe.decode, "key re-rotation": recipe.rerotate_keys,
-                   "an allocator of whole pages": allocator.strategy == "pages"}
+                   "an allocator of whole pages": allocator.strategy == "pages",
+                   "a precise recent window beside a summarising allocator":
+                       recipe.precise_recent and allocator.strategy != "tokens"}
     for what, used in unsupported.items():
         if used:
             raise NotImplementedError(f"recipe {recipe.name!r}: {what} does not work with {recipe.format} pages yet")

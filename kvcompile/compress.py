@@ -20,7 +20,7 @@ from .cache import PagedKVCache
 from .methods import Allocator, Scorer
 from .methods.base import is_pinned
 from .observation import observe
-from .plan import STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
+from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
 
 
@@ -108,19 +108,37 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
              precise_recent: int = 0) -> None:
     """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place; with a page
     format, store what is kept in it (every token, unscored, when they all fit), except the ``precise_recent``
-    newest tokens, which stay in the model's dtype (a recipe that evicts nothing only)."""
+    newest tokens, which stay in the model's dtype: kept first, their dtype bytes out of the budget, the rest of
+    which the scorer's tokens share at the format's cost."""
     held = cache.held().long()
-    n_recent = cache.newest(precise_recent).sum(-1)
-    fits = cache.pages_held(held - n_recent).sum(dim=(0, 2)) * cache.stored_page_bytes \
-        + cache.pages_held(n_recent).sum(dim=(0, 2)) * cache.page_bytes <= budget_bytes
+    recent = cache.newest(precise_recent)
+    n_recent = recent.sum(-1)
+    recent_bytes = cache.pages_held(n_recent).sum(dim=(0, 2)) * cache.page_bytes
+    fits = cache.pages_held(held - n_recent).sum(dim=(0, 2)) * cache.stored_page_bytes + recent_bytes <= budget_bytes
+    budget = f"the budget ({int(budget_bytes.min())} bytes in a sequence)"
+    if bool((recent_bytes > budget_bytes).any()):
+        raise ValueError(f"the newest {precise_recent} tokens in the model's dtype (precise_recent) alone exceed "
+                         f"{budget}; shorten the window or raise the budget")
     if scorer is None and not bool(fits.all()):
-        raise ValueError(f"every token in {cache.page_format} pages does not fit the budget ({int(budget_bytes.min())} "
-                         "bytes in a sequence); add a scorer that evicts, or raise the budget")
+        raise ValueError(f"every token in {cache.page_format} pages does not fit {budget}; add a scorer that evicts, "
+                         "or raise the budget")
     if cache.page_format is not None and (scorer is None or bool(fits.all())):
         cache.demote(precise_recent)
         return
     scores, stats = score_all(cache, scorer, layers, allocator)
+    if precise_recent:  # the window is kept apart: the scored tokens compete for what it leaves of the budget
+        window = F.pad(recent, (0, max(scores.shape[-1] - recent.shape[-1], 0)))[..., : scores.shape[-1]]
+        scores = scores.masked_fill(window, float("-inf"))
+        budget_bytes = budget_bytes - recent_bytes
     plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers)
-    if cache.page_format is not None:  # a scorer's recipe has no precise recent window (``Recipe``)
-        plan = dataclasses.replace(plan, formats=torch.full_like(plan.keep, STORED_FORMAT))
+    if cache.page_format is not None:
+        formats = torch.full_like(plan.keep, STORED_FORMAT)
+        if precise_recent:
+            live = (torch.arange(plan.keep.shape[-1], device=cache.device) < plan.counts[..., None]).long()
+            kept = torch.zeros(window.shape, dtype=torch.long, device=cache.device)
+            index = plan.keep.clamp_max(window.shape[-1] - 1)  # past counts: padding, never live
+            plan = Plan.of_mask(kept.scatter_reduce(-1, index, live, "amax").bool() | window)
+            formats = torch.where(window.gather(-1, plan.keep.clamp_max(window.shape[-1] - 1)), DTYPE_FORMAT,
+                                  STORED_FORMAT)
+        plan = dataclasses.replace(plan, formats=formats)
     cache.keep(plan)

@@ -3,6 +3,8 @@ format recipe through the public API (bytes, budgets, errors)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -249,10 +251,37 @@ def test_kivi_keeps_its_residual_window_in_the_model_dtype(llama_cm):
     seen = mask.sum(1)
     recent = positions.masked_fill(~valid, -1).topk(16, -1).values
     assert bool((recent >= (seen - 16)[:, None, None]).all())
-    with pytest.raises(ValueError, match="precise_recent"):
-        Recipe("x", "snapkv", format="kivi2", precise_recent=16)
+    with pytest.raises(ValueError, match="precise_recent keeps recent tokens out of a page format; it needs a format"):
+        Recipe("x", "snapkv", precise_recent=16)
     for name in ("kivi2", "kivi4"):
         assert kvcompile.recipes()[name].format == name
+
+
+def test_a_recent_window_beside_a_scorer_costs_the_model_dtype_and_the_scored_rest_shares_the_budget(llama_cm):
+    """KIVI's hierarchy with eviction: the newest ``precise_recent`` tokens stay in the model's dtype, paid for at
+    its cost out of the byte budget, and SnapKV's tokens fill what is left at the format's cost."""
+    ids, mask = _prompt()
+    recipe = Recipe("snapkv-int8-r4", "snapkv", scorer_args={"window": 8, "kernel": 3}, format="int8",
+                    precise_recent=4)
+    cm = kvcompile.apply(llama_cm, budget=0.2, recipe=recipe, page_size=4)
+    cm.prefill(ids, mask)
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"]
+    assert stats["formats"]["float32"]["tokens"] == 4 * 2 * 3 * 2  # every head of every row: its 4 newest
+    assert 0 < stats["formats"]["int8"]["tokens"] < (int(mask.sum()) - 8) * 3 * 2  # scored, and some evicted
+    _, _, positions, valid = cm.cache.dense(0)
+    newest = positions.masked_fill(~valid, -1).topk(4, -1).values
+    assert bool((newest >= (mask.sum(1) - 4)[:, None, None]).all())
+    plain = kvcompile.apply(llama_cm, budget=0.2, recipe=dataclasses.replace(recipe, name="r0", precise_recent=0),
+                            page_size=4)
+    plain.prefill(ids, mask)
+    assert plain.cache_stats()["tokens_held"] > stats["tokens_held"]  # the window costs tokens: 4 fp32 > 4 int8
+    wide = kvcompile.apply(llama_cm, budget=0.2, recipe=dataclasses.replace(recipe, precise_recent=32), page_size=4)
+    with pytest.raises(ValueError, match=r"newest 32 tokens in the model's dtype \(precise_recent\) alone exceed"):
+        wide.prefill(ids, mask)
+    summary = Recipe("certkv-r4", "snapkv", "certkv", format="int8", precise_recent=4)
+    with pytest.raises(NotImplementedError, match="precise recent window beside a summarising allocator"):
+        kvcompile.apply(llama_cm, budget=0.2, recipe=summary, page_size=4)
 
 
 @pytest.mark.parametrize("name", ["kivi2", "int4"])

@@ -47,9 +47,9 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: unknown allocator {self.allocator!r}; known: {sorted(ALLOCATORS)}")
         if self.format is not None:
             get_format(self.format)
-        if self.precise_recent and (self.format is None or self.scorer is not None):
+        if self.precise_recent and self.format is None:
             raise ValueError(f"recipe {self.name!r}: precise_recent keeps recent tokens out of a page format; it "
-                             "needs a format and (for now) a recipe that evicts nothing")
+                             "needs a format")
         if self.decode is not None:
             try:
                 DecodeSchedule(**self.decode)
