@@ -15,11 +15,18 @@ pages: ``bench/results/formats_speed.{json,md}``.
 
     python bench/formats.py --speed --batch 4 --context 8000 --steps 4 --rounds 3 --no-compile
     python bench/formats.py --speed --kernel --context 8192 --rounds 15     # one layer's attention op alone
+
+``--recent 16,64`` instead runs SnapKV over int4 pages with the newest 0 / 16 / 64 tokens kept in fp32
+(``Recipe.precise_recent``, KIVI's hierarchy with eviction; the window paid for out of the same budget) at
+``--budgets``: ``bench/results/formats_recent.{json,md}``.
+
+    python bench/formats.py --recent 16,64 --budgets 0.125,0.1 --samples 10
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,6 +34,7 @@ import kvcompile
 from kvcompile.budget import Budget
 from kvcompile.eval import sweep
 from kvcompile.kernels.formats import get_format
+from kvcompile.recipes import in_format
 
 RESULTS = Path(__file__).parent / "results"
 EVICT = "snapkv"
@@ -52,6 +60,14 @@ def cells(head_dim: int) -> list[tuple[str, float]]:
         share = get_format(f).token_bytes(head_dim, 16) / (2 * head_dim * 4)
         out += [(f"full+{f}", b) for b in BUDGETS if share <= 0.95 * b]
     return out
+
+
+def recent_cells(windows: list[int], budgets: list[float]) -> list[tuple]:
+    """SnapKV over int4 pages with each precise recent window (0: none), at every budget."""
+    base = in_format(EVICT, "int4")
+    recipes = [dataclasses.replace(base, name=f"{base.name}-r{w}", precise_recent=w) if w else base
+               for w in [0, *windows]]
+    return [(r, b) for r in recipes for b in budgets]
 
 
 def markdown(rows: list[dict], config: dict) -> str:
@@ -224,6 +240,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="with --speed: eager only")
     parser.add_argument("--kernel", action="store_true", help="with --speed: one layer's attention op, not the model")
+    parser.add_argument("--recent", default=None, help="precise recent windows beside snapkv+int4, e.g. 16,64")
+    parser.add_argument("--budgets", default="0.125,0.1", help="with --recent")
     args = parser.parse_args()
     if args.speed and args.kernel:
         result = kernel_speed(args.context, args.rounds)
@@ -241,15 +259,18 @@ def main() -> None:
         return
     model, tokenizer = kvcompile.load_model(args.model)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
-    grid = cells(cm.spec.head_dim)
+    budgets = [float(b) for b in args.budgets.split(",")] if args.recent else list(BUDGETS)
+    grid = recent_cells([int(w) for w in args.recent.split(",")], budgets) if args.recent else cells(cm.spec.head_dim)
+    recipes = list({r.name: r for r, _ in grid}.values()) if args.recent else sorted({r for r, _ in grid})
     # the sweep runs every recipe at every budget; a quantize-only cell whose tokens do not fit fails fast
     # (``apply`` refuses it) and is left out of the table
-    result = sweep.run(cm, tokenizer, sorted({r for r, _ in grid}), list(BUDGETS), args.tasks.split(","),
+    result = sweep.run(cm, tokenizer, recipes, budgets, args.tasks.split(","),
                        n_samples=args.samples, length=args.length, kl=True, model=args.model)
-    wanted = {(r, str(Budget.parse(b))) for r, b in grid} | {("full", "1")}
+    name = lambda r: r if isinstance(r, str) else r.name  # noqa: E731
+    wanted = {(name(r), str(Budget.parse(b))) for r, b in grid} | {("full", "1")}
     rows = [r for r in result["rows"] if (r["recipe"], r["budget"]) in wanted]
     config = {**result["config"], "model": args.model}
-    out = Path(args.out or RESULTS / "formats")
+    out = Path(args.out or RESULTS / ("formats_recent" if args.recent else "formats"))
     out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows, "timing": result["timing"]},
                                                    indent=1))
     out.with_suffix(".md").write_text(markdown(rows, config))
