@@ -21,7 +21,6 @@ model-dtype pool, so quantization never runs inside a program.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import reference
@@ -104,14 +103,18 @@ class FormatPool:
         return keys, values, positions, j < (n[..., 0] + self.lengths[layer])[..., None]
 
     def newest(self, window: int) -> Tensor:
-        """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0)."""
+        """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0), S the
+        longest head: read from the position pages alone (no key or value is gathered or decoded, which matters
+        to a demotion while decoding)."""
         if not window:
             return torch.zeros(*self.lengths.shape, 1, dtype=torch.bool, device=self.device)
-        views = [self.dense(layer) for layer in range(self.num_layers)]
-        S = max(v[2].shape[-1] for v in views)
-        pos = torch.stack([F.pad(v[2], (0, S - v[2].shape[-1]), value=-1) for v in views])
-        valid = torch.stack([F.pad(v[3], (0, S - v[3].shape[-1])) for v in views])
-        return valid & (pos >= (self.seen - window)[None, :, None, None])
+        P, n_f, n = self.page_size, self.fmt_lengths.long()[..., None], self.held().long()[..., None]
+        j = torch.arange(max(int(n.max()), 1), device=self.device)
+        pos = self.page_pos.reshape(-1)[reference.rows_of(self.page_table, (j - n_f).clamp_min(0), P)].long()
+        if self.format_used:
+            stored = self.fmt_pos.reshape(-1)[reference.rows_of(self.fmt_table, j.expand_as(pos), P)].long()
+            pos = torch.where(j < n_f, stored, pos)
+        return (j < n) & (pos >= (self.seen - window)[None, :, None, None])
 
     def demote(self, precise_recent: int, shrink: bool = True) -> None:
         """Store every held entry in the page format except each row's ``precise_recent`` newest tokens, which stay
