@@ -40,6 +40,7 @@ def apply(
     page_size: int = 16,
     prefill_chunk: int | None = None,
     compile=False,
+    capture_cache: bool | str = True,
 ) -> CompressedModel:
     """Return a ``CompressedModel`` whose attention runs over a compressed ragged per-head paged KV cache.
 
@@ -60,6 +61,10 @@ def apply(
     compile: ``True`` sends the rewritten prefill and decode programs through ``torch.compile`` (Inductor,
         ``fullgraph=True``; prefill with dynamic shapes; decode compiles once per batch size, in a CUDA graph on
         CUDA); a backend name or callable picks another backend.
+    capture_cache: re-use the captured and rewritten programs of an earlier ``apply`` on a model with the same
+        class, config, weight shapes and dtypes, and library versions, from a disk cache (``program_store``; a
+        folder may be given); ``False`` captures afresh and stores nothing. ``KVCOMPILE_PROGRAM_CACHE=0`` turns
+        it off for the process.
 
     Example: ``kvcompile.apply(model, budget=0.25, recipe="adakv-snapkv")``.
     """
@@ -79,7 +84,8 @@ def apply(
         spec, programs, gen_config, source = model.spec, model.programs, model.generation_config, model.source
     elif isinstance(model, nn.Module):
         spec = ModelSpec.from_model(model)
-        programs, gen_config, source = Programs.of(model, spec), getattr(model, "generation_config", None), model
+        programs = Programs.of(model, spec, capture_cache)
+        gen_config, source = getattr(model, "generation_config", None), model
     else:
         raise TypeError(f"apply() takes an nn.Module, got {type(model).__name__}")
     return CompressedModel(

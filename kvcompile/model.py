@@ -88,7 +88,7 @@ class CompressedModel(Steps, nn.Module):
         if weight is None or self.programs.weights == (weight.dtype, weight.device):
             return
         self.spec = ModelSpec.from_model(self.source)
-        self.programs = Programs.of(self.source, self.spec).compile(self.programs.compiled, self.recipe.format)
+        self.programs = Programs.of(self.source, self.spec, self.programs.store).compile(self.programs.compiled, self.recipe.format)
         self.cache.to(device=weight.device, dtype=weight.dtype)
 
     # ------------------------------------------------------------------ state

@@ -10,7 +10,7 @@ the generated tokens and the decode-time evictions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -18,7 +18,7 @@ from torch import Tensor, fx
 
 from torch import nn
 
-from . import passes
+from . import passes, program_store
 from .cache import PagedKVCache, Step
 from .capture import capture
 from .signature import INPUTS
@@ -32,7 +32,9 @@ class Programs:
     in place instead of gathering it (None: ``decode`` serves every layout, as in an exported artifact).
     ``layers``: one ``LayerSpec`` per layer; ``vocab_size``: rows of the token embedding (None: unknown);
     ``captured``: the captured model graph (None for a loaded artifact); ``compiled``: the backend, if any;
-    ``weights``: (dtype, device) of the weights when they were captured (the graph bakes them in)."""
+    ``weights``: (dtype, device) of the weights when they were captured (the graph bakes them in); ``info``: what
+    the attention pass found (scales, output projections, vocabulary size); ``store``: the ``program_store`` setting
+    they were made with (a re-capture after ``.to()`` uses it too); ``from_store``: rebuilt from it, not captured."""
 
     prefill: Callable
     prefill_last: Callable
@@ -43,13 +45,28 @@ class Programs:
     captured: fx.GraphModule | None = None
     compiled: object = None
     weights: tuple | None = None
+    info: dict | None = field(default=None, repr=False)
+    store: bool | str = field(default=True, repr=False)
+    from_store: bool = False
     _variants: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, model: nn.Module, spec: ModelSpec) -> "Programs":
-        """Capture ``model`` (``capture.capture``) and rewrite it. The graph bakes in the weights' dtype and device
-        (the model's own casts), so a model moved to another one must be captured again."""
-        return cls.rewrite(capture(model, spec), spec)
+    def of(cls, model: nn.Module, spec: ModelSpec, store: bool | str = True) -> "Programs":
+        """Capture ``model`` (``capture.capture``) and rewrite it, or rebuild both from the disk cache
+        (``program_store``; ``store``: True for the default folder, a folder, or False for none). The graph bakes in
+        the weights' dtype and device (the model's own casts), so a model moved to another one is captured again."""
+        where, key = program_store.folder(store), program_store.key(model)
+        entry = where / key if where is not None and key is not None else None
+        found = program_store.load(entry, model) if entry is not None else None
+        if found is not None:
+            programs = cls._assemble(*found, spec)
+            programs.from_store = True
+        else:
+            programs = cls.rewrite(capture(model, spec), spec)
+            if entry is not None:
+                program_store.save(entry, programs.graphs(), programs.info, model)
+        programs.store = store
+        return programs
 
     @classmethod
     def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, stream_weights: bool | None = None) -> "Programs":
@@ -61,12 +78,29 @@ class Programs:
         prefill_last, _ = passes.rewrite(captured, spec, decode=False, last_logits=True)
         decode, _ = passes.rewrite(captured, spec, decode=True, stream_weights=stream)
         decode_packed, _ = passes.rewrite(captured, spec, decode=True, packed=True, stream_weights=stream)
+        graphs = dict(captured=captured, prefill=prefill, prefill_last=prefill_last, decode=decode,
+                      decode_packed=decode_packed)
+        info = {"scales": list(found.scales), "output_weights": list(found.output_weights),
+                "vocab_size": _vocab_size(captured)}
+        return cls._assemble(graphs, info, spec)
+
+    @classmethod
+    def _assemble(cls, graphs: dict[str, fx.GraphModule], info: dict, spec: ModelSpec) -> "Programs":
+        """Programs over the captured graph and its four rewrites (``info``: what the attention pass found)."""
+        captured = graphs["captured"]
         weight = next(captured.parameters())
-        w_o = [{} if t is None else {"o_proj": captured.get_parameter(t)} for t in found.output_weights]
-        programs = cls(prefill, prefill_last, decode, decode_packed, spec.layers(found.scales, w_o),
-                       _vocab_size(captured), captured, weights=(weight.dtype, weight.device))
+        w_o = [{} if t is None else {"o_proj": captured.get_parameter(t)} for t in info["output_weights"]]
+        programs = cls(graphs["prefill"], graphs["prefill_last"], graphs["decode"], graphs["decode_packed"],
+                       spec.layers(info["scales"], w_o), info["vocab_size"], captured,
+                       weights=(weight.dtype, weight.device), info=info)
         programs._variants[None] = programs  # every variant shares this table: compile(False) gives the eager ones
         return programs
+
+    def graphs(self) -> dict[str, fx.GraphModule]:
+        """The eager graphs: the captured model and its four rewrites (what ``program_store`` saves)."""
+        eager = self._variants[None]
+        return dict(captured=eager.captured, prefill=eager.prefill, prefill_last=eager.prefill_last,
+                    decode=eager.decode, decode_packed=eager.decode_packed)
 
     def compile(self, backend, page_format: str | None = None) -> "Programs":
         """These programs through ``torch.compile`` with ``backend`` (``True``: Inductor), made once per backend and
@@ -91,8 +125,8 @@ class Programs:
                                      for p in (eager.prefill, eager.prefill_last))
             decode, decode_packed = (torch.compile(own(p), backend=backend, fullgraph=True, dynamic=False, mode=mode)
                                      for p in (eager.decode, eager.decode_packed))
-            self._variants[key] = Programs(prefill, prefill_last, decode, decode_packed, self.layers, self.vocab_size,
-                                           self.captured, backend, self.weights, self._variants)
+            self._variants[key] = replace(eager, prefill=prefill, prefill_last=prefill_last, decode=decode,
+                                          decode_packed=decode_packed, compiled=backend)
         return self._variants[key]
 
     def for_format(self, page_format: str | None) -> "Programs":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
@@ -10,6 +11,10 @@ import transformers as tf
 
 if not torch.cuda.is_available():  # Triton kernels run through the interpreter on CPU (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# the suite's own capture cache (never the user's): a tiny model's second apply loads its programs from it, so the
+# whole suite also runs over programs rebuilt from the cache
+os.environ.setdefault("KVCOMPILE_PROGRAM_CACHE", tempfile.mkdtemp(prefix="kvcompile-programs-"))
 
 VOCAB = 96
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=512)
