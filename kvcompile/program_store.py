@@ -141,7 +141,8 @@ def _nodes(gm: fx.GraphModule, model: nn.Module, constants: dict) -> list:
                 raise ValueError(f"cannot store attribute {node.target!r} of type {type(value).__name__}")
             if not _is_weight(model, node.target, value):
                 constants[node.target] = value
-        records.append([node.name, node.op, _target(node), _encode(node.args), _encode(node.kwargs),
+        records.append([node.name, node.op, _target(node), [_encode(a) for a in node.args],
+                        {k: _encode(v) for k, v in node.kwargs.items()},
                         _shape(node.meta.get("val"))])
     return records
 
@@ -167,10 +168,14 @@ def _target(node: fx.Node) -> str:
 
 
 def _encode(value):
+    """JSON for an argument: a node is its name behind ``%``, a string is ``{"s": ...}`` (rare), lists stay lists,
+    everything else a one-key object naming its kind. Plain scalars are themselves."""
     if isinstance(value, fx.Node):
-        return {"node": value.name}
-    if isinstance(value, (bool, int, float, str)) or value is None:
+        return "%" + value.name
+    if isinstance(value, (bool, int, float)) or value is None:
         return value
+    if isinstance(value, str):
+        return {"s": value}
     if isinstance(value, tuple):
         return {"tuple": [_encode(v) for v in value]}
     if isinstance(value, list):
@@ -187,14 +192,14 @@ def _encode(value):
 
 # ------------------------------------------------------------------------------------------------ decoding
 def _graph_module(records: list, model: nn.Module, constants: dict) -> fx.GraphModule:
-    graph, env = fx.Graph(), {}
-    holder = nn.Module()
+    graph, env, tensors = fx.Graph(), {}, {}
     for name, op, target, args, kwargs, val in records:
-        args, kwargs = _decode(args, env), _decode(kwargs, env)
+        args = tuple(_decode(a, env) for a in args)
+        kwargs = {k: _decode(v, env) for k, v in kwargs.items()}
         if op == "placeholder":
             node = graph.placeholder(target)
         elif op == "get_attr":
-            _bind(holder, target, constants[target] if target in constants else _attr(model, target))
+            tensors[target] = constants[target] if target in constants else _attr(model, target)
             node = graph.get_attr(target)
         elif op == "call_function":
             node = graph.call_function(_resolve(target), args, kwargs)
@@ -207,9 +212,9 @@ def _graph_module(records: list, model: nn.Module, constants: dict) -> fx.GraphM
         if val is not None:  # a stand-in for the traced value: symbolic sizes become SYMBOLIC_SIZE
             sizes, dtype = val
             node.meta["val"] = torch.empty([SYMBOLIC_SIZE if d is None else d for d in sizes],
-                                           dtype=_decode({"dtype": dtype}, env), device="meta")
+                                           dtype=_dtype(dtype), device="meta")
         env[name] = node
-    return fx.GraphModule(holder, graph)
+    return fx.GraphModule(tensors, graph)  # parameters stay parameters (the model's own), other tensors buffers
 
 
 def _resolve(name: str):
@@ -223,13 +228,15 @@ def _resolve(name: str):
 
 
 def _decode(value, env: dict):
+    if isinstance(value, str):
+        return env[value[1:]]
     if isinstance(value, list):
         return [_decode(v, env) for v in value]
     if not isinstance(value, dict):
         return value
     (kind, payload), = value.items()
-    if kind == "node":
-        return env[payload]
+    if kind == "s":
+        return payload
     if kind == "tuple":
         return tuple(_decode(v, env) for v in payload)
     if kind == "dict":
@@ -237,13 +244,23 @@ def _decode(value, env: dict):
     if kind == "slice":
         return slice(*(_decode(v, env) for v in payload))
     if kind in ("dtype", "layout", "memory_format"):
-        found = getattr(torch, payload.removeprefix("torch."))
-        if not isinstance(found, _SCALARS[kind]):
-            raise ValueError(f"not a torch {kind}: {payload!r}")
-        return found
+        return _torch_value(kind, payload.removeprefix("torch."))
     if kind == "device":
         return torch.device(payload)
     raise ValueError(f"unknown stored value {kind!r}")
+
+
+@functools.cache
+def _torch_value(kind: str, name: str):
+    """``torch.<name>``, which must be a torch ``kind`` (a dtype, layout or memory format)."""
+    found = getattr(torch, name)
+    if not isinstance(found, _SCALARS[kind]):
+        raise ValueError(f"not a torch {kind}: {name!r}")
+    return found
+
+
+def _dtype(name: str) -> torch.dtype:
+    return _torch_value("dtype", name)
 
 
 def _is_weight(model: nn.Module, path: str, value: torch.Tensor) -> bool:
@@ -259,16 +276,3 @@ def _attr(root: nn.Module, path: str):
     for part in path.split("."):
         root = getattr(root, part)
     return root
-
-
-def _bind(holder: nn.Module, path: str, value: torch.Tensor) -> None:
-    """Make ``holder.<path>`` the very tensor ``value`` (the model's own parameter: no copy)."""
-    *parents, leaf = path.split(".")
-    for part in parents:
-        if not hasattr(holder, part):
-            holder.add_module(part, nn.Module())
-        holder = getattr(holder, part)
-    if isinstance(value, nn.Parameter):
-        holder.register_parameter(leaf, value)
-    else:
-        holder.register_buffer(leaf, value)
