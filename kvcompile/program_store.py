@@ -19,6 +19,7 @@ Where: ``$KVCOMPILE_PROGRAM_CACHE`` if set (``0`` / ``off`` turns the cache off)
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import json
 import operator
@@ -117,6 +118,8 @@ def load(where: Path, model: nn.Module) -> tuple[dict[str, fx.GraphModule], dict
     usable entry (missing, from another format, or naming a target outside the allowed namespaces)."""
     from safetensors.torch import load_file
 
+    gc_was_on = gc.isenabled()
+    gc.disable()  # the load makes ~10^5 small objects and frees none: the collector's passes would cost more than it
     try:
         stored = json.loads((where / GRAPHS).read_text())
         if stored.get("format") != FORMAT:
@@ -126,6 +129,9 @@ def load(where: Path, model: nn.Module) -> tuple[dict[str, fx.GraphModule], dict
         graphs = {name: _graph_module(nodes, model, constants) for name, nodes in stored["graphs"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    finally:
+        if gc_was_on:
+            gc.enable()
     return graphs, stored["info"]
 
 
