@@ -92,9 +92,9 @@ def check_kernels(device, gen):
             c = int(keep_count[b, h])
             keep_idx[b, h, :c] = torch.randperm(int(n), generator=gen)[:c].sort().values
         keep_idx, keep_count = keep_idx.to(device), keep_count.to(device)
-        ref = [t.clone() for t in (cache.k_pages, cache.v_pages, cache.page_pos)]
+        ref = [t.clone() for t in (cache.k_pages, cache.v_pages, cache.page_pos, cache.page_lw)]
         reference.compact(*ref, cache.page_table[0], keep_idx, keep_count)
-        compact(cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], keep_idx, keep_count)
+        compact(cache.k_pages, cache.v_pages, cache.page_pos, cache.page_lw, cache.page_table[0], keep_idx, keep_count)
         same = all(torch.equal(a, b) for a, b in zip(ref, (cache.k_pages, cache.v_pages, cache.page_pos)))
         rows.append({"check": f"compact {dtype}", "max_err": 0.0 if same else math.inf, "ok": same})
     return rows

@@ -109,8 +109,8 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
         return
     unsupported = {"a decode-time schedule": recipe.decode, "key re-rotation": recipe.rerotate_keys,
                    "an allocator of whole pages": allocator.strategy == "pages",
-                   "a precise recent window beside a summarising allocator":
-                       recipe.precise_recent and allocator.strategy != "tokens"}
+                   "a summarising allocator (its weighted entries live in the model-dtype pool only)":
+                       allocator.strategy == "tail-summary"}
     for what, used in unsupported.items():
         if used:
             raise NotImplementedError(f"recipe {recipe.name!r}: {what} does not work with {recipe.format} pages yet")

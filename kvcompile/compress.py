@@ -2,7 +2,7 @@
 
 Strategies (``STRATEGIES``, named by ``methods.Allocator.strategy``): ``tokens`` keeps each head's top tokens;
 ``pages`` allocates and keeps whole pages (scores projected onto pages by their max); ``tail-summary`` spends the
-last counted slot of a head that evicts on one new entry summarising its evicted tail. Every one ends in a
+last counted slot of a head that evicts on one new weighted entry summarising its evicted tail. Every one ends in a
 ``plan.Plan`` whose budget holds after page rounding. With a page format, tokens cost what the format stores
 (``PagedKVCache.stored_token_bytes``) and the plan stores every kept entry in it: one byte budget spent on
 eviction and quantization together.
@@ -96,12 +96,13 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> 
         obs = observe(cache, layer)
         evicted = obs.valid & ~F.pad(kept[layer.index], (0, obs.valid.shape[-1] - kept.shape[-1]), value=False)
         rows.append(allocator.summarize(obs, evicted))
-    keys, values, positions = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv]
-    new = NewEntries(keys[..., None, :], values[..., None, :], positions[..., None], summary)
+    keys, values, positions, log_weights = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv] x 2
+    new = NewEntries(keys[..., None, :], values[..., None, :], positions[..., None], summary, log_weights[..., None])
     return Plan.of_mask(kept, new=new)
 
 
 STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary}
+WEIGHTED_STRATEGIES = frozenset({"tail-summary"})  # strategies whose plans write weighted entries (``cache.weights``)
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,

@@ -26,7 +26,7 @@ class NewEntries:
 
     keys, values [L, B, Hkv, E, D]; positions [L, B, Hkv, E]; counts [L, B, Hkv] how many of the E each head
     writes; log_weights [L, B, Hkv, E]: an entry's attention logit gets + log w, so it stands for w tokens with its
-    key (0 = an ordinary token, the only weight attention honours so far)."""
+    key (0 = an ordinary token; others need a cache with a weight channel, ``cache.weights``)."""
 
     keys: Tensor
     values: Tensor
