@@ -214,7 +214,7 @@ class CompressedModel(Steps, nn.Module):
         if not bool((self.cache.bytes_held() > budget).any()) and self.recipe.format is None:
             return
         with self.observing() as cache:
-            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe.precise_recent)
+            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe)
             if self.recipe.rerotate_keys:
                 rerotation.rerotate(cache, self.spec)
         self._pending = []

@@ -59,6 +59,13 @@ class Plan:
         """[L, B, Hkv] entries each head holds once the plan is applied."""
         return self.counts if self.new is None else self.counts + self.new.counts.to(self.counts.dtype)
 
+    def kept(self, S: int) -> Tensor:
+        """[L, B, Hkv, S] True at the logical indices (below S) of the entries this plan keeps."""
+        live = (torch.arange(self.keep.shape[-1], device=self.keep.device) < self.counts[..., None]).long()
+        index = self.keep.clamp_max(S - 1)  # past counts: padding, never live
+        mask = torch.zeros(*self.counts.shape, S, dtype=torch.long, device=self.keep.device)
+        return mask.scatter_reduce(-1, index, live, "amax").bool()
+
     @classmethod
     def of_mask(cls, kept: Tensor, **fields) -> "Plan":
         """The plan that keeps the ``kept`` [L, B, Hkv, S] entries."""
