@@ -27,7 +27,8 @@ def seed():
                          ids=["decode", "decode-window", "prefill", "prefill-window"])
 def test_an_entry_of_log_weight_log_n_attends_as_n_tokens(seed, T, window):
     """Reference attention (the decode step's paths and the prefill's blocked one, causal and sliding-window) over
-    entries of weights 1..4 equals attention over the same entries repeated, as plain tokens."""
+    entries of weights 1..4 equals attention over the same entries repeated, as plain tokens; with every weight 1
+    the weighted path gives the unweighted one's output."""
     merged, repeated = merged_and_repeated(B=2, Hkv=2, D=16, P=4, seed=seed)
     q = torch.randn(2, 4, T, 16)
     q_pos = torch.randint(20, 50, (2, T)).sort(-1).values if T > 1 else torch.full((2, 1), 45 if window == 0 else 35)
@@ -37,6 +38,8 @@ def test_an_entry_of_log_weight_log_n_attends_as_n_tokens(seed, T, window):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{m}\nseed={seed}")
     unweighted = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window)
     assert not torch.allclose(unweighted, want, atol=1e-3), f"the weights matter here; seed={seed}"
+    ones = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw * 0)
+    torch.testing.assert_close(ones, unweighted, atol=1e-6, rtol=1e-6, msg=lambda m: f"weight 1: {m}\nseed={seed}")
 
 
 def _certkv(llama_cm, **kwargs):
