@@ -1,7 +1,8 @@
 """GPU check, one script, well under 8 minutes on one GPU: kernel correctness, then decode bandwidth.
 
 1. Correctness of the Triton decode and compaction kernels against the PyTorch reference on fresh random inputs
-   (fp32 / fp16 / bf16, GQA 1/4/8, lengths 0, 1, P, P+1 and Zipf-skewed, shuffled pages, a sliding window).
+   (fp32 / fp16 / bf16, GQA 1/4/8, lengths 0, 1, P, P+1 and Zipf-skewed, shuffled pages, a sliding window, and
+   weighted entries: random log-weights, decoded and compacted).
    The same decode over format pages (every page format of ``kernels.formats``, decoded in the kernel) against
    the reference over the same pages.
 2. The decode kernel on an 8B-like shape (batch 8, 8 KV heads, G = 4, head dim 128, bf16, Zipf per-head lengths
@@ -77,6 +78,11 @@ def check_kernels(device, gen):
                         D**-0.5, window)
                 err = (paged_decode(*args).float() - reference.paged_attention(*args).float()).abs().max().item()
                 rows.append({"check": f"decode {dtype} G={G} window={window}", "max_err": err, "ok": err <= tol[dtype]})
+                lw = torch.randn(cache.page_pos.shape, generator=gen).to(device) * 2  # weighted entries' log-weights
+                err = (paged_decode(*args, log_weights=lw).float()
+                       - reference.paged_attention(*args, log_weights=lw).float()).abs().max().item()
+                rows.append({"check": f"decode weighted {dtype} G={G} window={window}", "max_err": err,
+                             "ok": err <= tol[dtype]})
         cache = random_cache(2, 4, zipf_lengths(8, 300, gen).view(2, 4), 16, 128, dtype, gen, device)
         q = torch.randn(2, 16, 1, 128, generator=gen).to(device, dtype)
         for name in FORMATS if dtype == torch.float32 else ():
@@ -92,10 +98,11 @@ def check_kernels(device, gen):
             c = int(keep_count[b, h])
             keep_idx[b, h, :c] = torch.randperm(int(n), generator=gen)[:c].sort().values
         keep_idx, keep_count = keep_idx.to(device), keep_count.to(device)
-        ref = [t.clone() for t in (cache.k_pages, cache.v_pages, cache.page_pos)]
+        pools = (cache.k_pages, cache.v_pages, cache.page_pos, torch.randn(cache.page_pos.shape, device=device))
+        ref = [t.clone() for t in pools]
         reference.compact(*ref, cache.page_table[0], keep_idx, keep_count)
-        compact(cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], keep_idx, keep_count)
-        same = all(torch.equal(a, b) for a, b in zip(ref, (cache.k_pages, cache.v_pages, cache.page_pos)))
+        compact(*pools, cache.page_table[0], keep_idx, keep_count)  # with log-weights: a weighted cache's compaction
+        same = all(torch.equal(a, b) for a, b in zip(ref, pools))
         rows.append({"check": f"compact {dtype}", "max_err": 0.0 if same else math.inf, "ok": same})
     return rows
 

@@ -29,8 +29,8 @@ from .recipes import Recipe
 from .signature import INPUTS
 from .spec import ModelSpec
 
-_FORMAT = 4  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
-# 4: decode over the format pool calls the opaque op kvcompile::format_attention
+_FORMAT = 5  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
+# 4: decode over the format pool calls the opaque op kvcompile::format_attention; 5: the log-weight channel is an input
 _NAMES = ("prefill", "prefill_last", "decode")
 _SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}
 
@@ -50,7 +50,8 @@ def _example(cm: CompressedModel, tokens: int, ring: int):
     pages, ``ring`` ring slots."""
     spec, B = cm.spec, 2
     cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=cm.cache.dtype,
-                         page_size=cm.cache.page_size, device=cm.device, page_format=cm.recipe.format)
+                         page_size=cm.cache.page_size, device=cm.device, page_format=cm.recipe.format,
+                         weighted=cm.cache.weighted)
     cache.setup(B)
     cache.reserve(2 * cache.page_size)
     cache.ring.resize(ring)
@@ -60,15 +61,17 @@ def _example(cm: CompressedModel, tokens: int, ring: int):
 
 
 _RANGES = {"batch": (1, 4096), "tokens": (1, 1 << 20), "pages": (2, 1 << 24), "width": (2, 1 << 20),
-           "ring": (0, 1 << 20), "fmt_pages": (2, 1 << 24), "fmt_width": (2, 1 << 20)}
+           "ring": (0, 1 << 20), "fmt_pages": (2, 1 << 24), "fmt_width": (2, 1 << 20), "lw_pages": (2, 1 << 24)}
 
 
-def _dynamic_shapes(decode: bool, formatted: bool):
+def _dynamic_shapes(decode: bool, formatted: bool, weighted: bool):
     """``signature.INPUTS``' varying sizes as ``torch.export`` dimensions. A decode program has one token and a
     fixed ring (the recipe's decode window: its op writes the ring only when there is one); the prefill op is
-    opaque, so its ring may be any length, 0 included. Without a page format the format pool is empty (static)."""
+    opaque, so its ring may be any length, 0 included. Without a page format the format pool is empty (static), and
+    without weighted entries the log-weight channel is."""
     dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in _RANGES.items()}
-    static = (("tokens", "ring") if decode else ()) + (() if formatted else ("fmt_pages", "fmt_width"))
+    static = ((("tokens", "ring") if decode else ()) + (() if formatted else ("fmt_pages", "fmt_width"))
+              + (() if weighted else ("lw_pages",)))
     return tuple({d: dims[n] for d, n in i.dims if n not in static} for i in INPUTS)
 
 
@@ -95,8 +98,8 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         example = _example(cm, 1 if decode else 8, cm.decode_window if decode else 2)
         file = out / f"{name}{_SUFFIX[backend]}"
         with torch.no_grad():
-            ep = torch.export.export(program, example, dynamic_shapes=_dynamic_shapes(decode, cm.recipe.format is not None),
-                                    strict=False)
+            shapes = _dynamic_shapes(decode, cm.recipe.format is not None, cm.cache.weighted)
+            ep = torch.export.export(program, example, dynamic_shapes=shapes, strict=False)
             if backend == "aoti":
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(file))
             else:

@@ -103,14 +103,18 @@ def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:
 def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
     """Refuse, at ``apply``, a recipe and budget that cannot run together: a recipe that evicts nothing under a
     budget below what it stores, and a page format with what it does not support yet."""
+    if recipe.merge and allocator.strategy == "tail-summary":
+        raise ValueError(f"recipe {recipe.name!r} merges evicted values beside a summarising allocator, whose "
+                         "summary already stands for them; use one or the other")
     if recipe.format is None:
         if recipe.scorer is None and not budget.is_full:
             raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
         return
     unsupported = {"a decode-time schedule": recipe.decode, "key re-rotation": recipe.rerotate_keys,
+                   "value merging": recipe.merge,
                    "an allocator of whole pages": allocator.strategy == "pages",
-                   "a precise recent window beside a summarising allocator":
-                       recipe.precise_recent and allocator.strategy != "tokens"}
+                   "a summarising allocator (its weighted entries live in the model-dtype pool only)":
+                       allocator.strategy == "tail-summary"}
     for what, used in unsupported.items():
         if used:
             raise NotImplementedError(f"recipe {recipe.name!r}: {what} does not work with {recipe.format} pages yet")

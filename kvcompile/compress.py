@@ -2,7 +2,7 @@
 
 Strategies (``STRATEGIES``, named by ``methods.Allocator.strategy``): ``tokens`` keeps each head's top tokens;
 ``pages`` allocates and keeps whole pages (scores projected onto pages by their max); ``tail-summary`` spends the
-last counted slot of a head that evicts on one new entry summarising its evicted tail. Every one ends in a
+last counted slot of a head that evicts on one new weighted entry summarising its evicted tail. Every one ends in a
 ``plan.Plan`` whose budget holds after page rounding. With a page format, tokens cost what the format stores
 (``PagedKVCache.stored_token_bytes``) and the plan stores every kept entry in it: one byte budget spent on
 eviction and quantization together.
@@ -19,6 +19,7 @@ from torch import Tensor
 from .cache import PagedKVCache
 from .methods import Allocator, Scorer
 from .methods.base import is_pinned
+from .methods.merging import ValueMerging
 from .observation import observe
 from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
@@ -96,20 +97,23 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> 
         obs = observe(cache, layer)
         evicted = obs.valid & ~F.pad(kept[layer.index], (0, obs.valid.shape[-1] - kept.shape[-1]), value=False)
         rows.append(allocator.summarize(obs, evicted))
-    keys, values, positions = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv]
-    new = NewEntries(keys[..., None, :], values[..., None, :], positions[..., None], summary)
+    keys, values, positions, log_weights = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv] x 2
+    new = NewEntries(keys[..., None, :], values[..., None, :], positions[..., None], summary, log_weights[..., None])
     return Plan.of_mask(kept, new=new)
 
 
 STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary}
+WEIGHTED_STRATEGIES = frozenset({"tail-summary"})  # strategies whose plans write weighted entries (``cache.weights``)
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
-             precise_recent: int = 0) -> None:
-    """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place; with a page
-    format, store what is kept in it (every token, unscored, when they all fit), except the ``precise_recent``
-    newest tokens, which stay in the model's dtype: kept first, their dtype bytes out of the budget, the rest of
-    which the scorer's tokens share at the format's cost."""
+             recipe) -> None:
+    """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place, as
+    ``recipe`` asks; with a page format, store what is kept in it (every token, unscored, when they all fit),
+    except the ``recipe.precise_recent`` newest tokens, which stay in the model's dtype: kept first, their dtype
+    bytes out of the budget, the rest of which the scorer's tokens share at the format's cost. With
+    ``recipe.merge``, evicted values are folded into kept ones first (``merge_evicted``)."""
+    precise_recent = recipe.precise_recent
     held = cache.held().long()
     recent = cache.newest(precise_recent)
     n_recent = recent.sum(-1)
@@ -134,11 +138,20 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     if cache.page_format is not None:
         formats = torch.full_like(plan.keep, STORED_FORMAT)
         if precise_recent:
-            live = (torch.arange(plan.keep.shape[-1], device=cache.device) < plan.counts[..., None]).long()
-            kept = torch.zeros(window.shape, dtype=torch.long, device=cache.device)
-            index = plan.keep.clamp_max(window.shape[-1] - 1)  # past counts: padding, never live
-            plan = Plan.of_mask(kept.scatter_reduce(-1, index, live, "amax").bool() | window)
+            plan = Plan.of_mask(plan.kept(window.shape[-1]) | window)
             formats = torch.where(window.gather(-1, plan.keep.clamp_max(window.shape[-1] - 1)), DTYPE_FORMAT,
                                   STORED_FORMAT)
         plan = dataclasses.replace(plan, formats=formats)
+    if recipe.merge:
+        merge_evicted(cache, plan, layers, ValueMerging(**recipe.merge))
     cache.keep(plan)
+
+
+def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging: ValueMerging) -> None:
+    """Fold the values ``plan`` evicts into the entries it keeps (``methods.merging``), written back in place
+    (``PagedKVCache.rewrite``) before the plan is applied; keys and positions stay as they are."""
+    kept = plan.kept(int(cache.held().max()))
+    for layer in layers:
+        keys, values, _, valid = cache.dense(layer.index)
+        mine = F.pad(kept[layer.index], (0, max(keys.shape[2] - kept.shape[-1], 0)))[..., : keys.shape[2]]
+        cache.rewrite(layer.index, values=merging.merge(keys, values, valid, mine))

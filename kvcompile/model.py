@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from . import checks, observation, rerotation
 from .budget import Budget
 from .cache import PagedKVCache
-from .compress import compress as compress_cache
+from .compress import WEIGHTED_STRATEGIES, compress as compress_cache
 from .generation import generate_tokens
 from .programs import Programs
 from .recipes import Recipe, get_recipe
@@ -54,9 +54,9 @@ class CompressedModel(Steps, nn.Module):
         sources = self.scorer.sources() if self.scorer else ()
         self.reads_question = observation.reads_question(sources)  # FINCH: see ``Steps._read_prompt``
         observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
-        self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim,
-                                  dtype=spec.dtype, page_size=page_size, device=device,
-                                  keep_ids=observation.keeps_ids(sources), page_format=recipe.format)
+        self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
+                                  page_size=page_size, device=device, keep_ids=observation.keeps_ids(sources),
+                                  page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES)
         if self.schedule is not None and budget.kind != "fraction":  # the cap is known now: check it fits
             self._fit_schedule(0)
         self.reset()
@@ -120,8 +120,7 @@ class CompressedModel(Steps, nn.Module):
     @property
     def observation_window(self) -> int:
         """Queries per layer this model reads when it compresses (its scorer's sources) or decodes."""
-        scorer = observation.window(self.scorer.sources()) if self.scorer else 0
-        return max(self.decode_window, scorer)
+        return max(self.decode_window, observation.window(self.scorer.sources()) if self.scorer else 0)
 
     def budget_bytes(self) -> Tensor:
         """[B] bytes each sequence may hold: of the tokens prefilled to compress, or of all read (a decoding cap)."""
@@ -215,7 +214,7 @@ class CompressedModel(Steps, nn.Module):
         if not bool((self.cache.bytes_held() > budget).any()) and self.recipe.format is None:
             return
         with self.observing() as cache:
-            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe.precise_recent)
+            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe)
             if self.recipe.rerotate_keys:
                 rerotation.rerotate(cache, self.spec)
         self._pending = []
@@ -290,8 +289,9 @@ class CompressedModel(Steps, nn.Module):
                              "recipe")
         if child.cache.keep_ids > self.cache.keep_ids:
             raise ValueError(f"recipe {recipe.name!r} reads the token ids of the context, which this cache did not log")
-        child.cache = copy.deepcopy(self.cache)
+        weighted, child.cache = child.cache.weighted, copy.deepcopy(self.cache)
         child.cache.set_format(recipe.format)
+        child.cache.set_weighted(weighted)
         child.context_tokens, child._pending = self.context_tokens.clone(), list(self._pending)
         child.query_aware, child._observing = self.query_aware, self._observing
         if self.decoder is not None and (recipe, budget) == (self.recipe, self.budget):

@@ -62,7 +62,7 @@ def observe(cache: PagedKVCache, layer: LayerSpec) -> Observation:
     ids = cache.token_ids.gather(1, positions.flatten(1).clamp_min(0)).view_as(positions) if cache.keep_ids else None
     return Observation(
         keys, values, positions, valid, ring.queries[layer.index], ring.positions, layer.scale, layer.window,
-        layer.index, cache.num_layers, ids, layer.weights,
+        layer.index, cache.num_layers, ids, layer.weights, cache.log_weights(layer.index),
     )
 
 

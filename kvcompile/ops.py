@@ -12,6 +12,8 @@ kept tokens of every head to the front of its own pages.
 
 Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -1 for padding;
 slots [L, B, Hkv, T] pool rows for the new tokens and ring_slots [B, T] ring slots (``PagedKVCache.append``);
+page_lw the entries' log-weights, read only ([0, P] for a cache without weighted entries; a new token's row is
+already 0: ``cache.weights``);
 obs_q the ring's queries [L, B, Hq, C, D]; fmt_* the format pool, read only (``cache.formatted``: its format is
 read from its tensors, so one program serves every format). Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
 implementation (CPU, and the oracle in tests); on CUDA the decode attention and the compaction run the Triton
@@ -56,8 +58,8 @@ def _on_gpu(t: Tensor) -> bool:
 
 
 def _attend(
-    q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, fmt, layer, scale,
-    window, packed, decode,
+    q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt, layer,
+    scale, window, packed, decode,
 ):
     reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
     _observe(obs_q, layer, q, ring_slots, decode)
@@ -66,11 +68,11 @@ def _attend(
     if decode and _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not, and any format
         from .kernels.triton_decode import paged_decode
 
-        return paged_decode(*args, stored=stored)
+        return paged_decode(*args, stored=stored, log_weights=page_lw)
     first_page = 1 + layer * page_table[layer].numel() if packed else None  # PagedKVCache.packed's layout
-    if decode and not stored.empty:
+    if decode and not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
         return format_attention(*args, *stored, -1 if first_page is None else first_page)
-    return reference.paged_attention(*args, first_page=first_page, stored=stored).contiguous()
+    return reference.paged_attention(*args, first_page=first_page, stored=stored, log_weights=page_lw).contiguous()
 
 
 @torch.library.custom_op("kvcompile::format_attention", mutates_args=())
@@ -107,14 +109,14 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     @register(f"kvcompile::{name}", mutates_args=_MUTATED)
     def op(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
-        k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, lengths: Tensor, obs_q: Tensor,
-        fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor, fmt_table: Tensor,
+        k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, lengths: Tensor,
+        obs_q: Tensor, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor, fmt_table: Tensor,
         fmt_lengths: Tensor, layer: int, scale: float, window: int,
     ) -> Tensor:
         fmt = (fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths)
         return _attend(
-            q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_table, lengths, obs_q, fmt, layer,
-            scale, window, packed, decode,
+            q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt,
+            layer, scale, window, packed, decode,
         )
 
     if not decode:  # a triton_op's own body is its fake kernel
@@ -142,12 +144,14 @@ decode_attention_packed = _attention_op(
 )
 
 
-@torch.library.triton_op("kvcompile::compact", mutates_args=("k_pages", "v_pages", "page_pos"))
+@torch.library.triton_op("kvcompile::compact", mutates_args=("k_pages", "v_pages", "page_pos", "page_lw"))
 def compact(
-    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, keep_idx: Tensor, keep_count: Tensor
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, keep_idx: Tensor,
+    keep_count: Tensor,
 ) -> None:
-    """Move each head's kept tokens (ascending logical indices) to the front of its own pages, in place."""
+    """Move each head's kept tokens (ascending logical indices) to the front of its own pages, in place (with their
+    log-weights, where ``page_lw`` is not empty)."""
     move = reference.compact
     if _on_gpu(k_pages):
         from .kernels.triton_compact import compact as move
-    move(k_pages, v_pages, page_pos, page_table, keep_idx, keep_count)
+    move(k_pages, v_pages, page_pos, page_lw, page_table, keep_idx, keep_count)

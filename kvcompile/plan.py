@@ -26,7 +26,7 @@ class NewEntries:
 
     keys, values [L, B, Hkv, E, D]; positions [L, B, Hkv, E]; counts [L, B, Hkv] how many of the E each head
     writes; log_weights [L, B, Hkv, E]: an entry's attention logit gets + log w, so it stands for w tokens with its
-    key (0 = an ordinary token, the only weight attention honours so far)."""
+    key (0 = an ordinary token; others need a cache with a weight channel, ``cache.weights``)."""
 
     keys: Tensor
     values: Tensor
@@ -58,6 +58,13 @@ class Plan:
     def lengths(self) -> Tensor:
         """[L, B, Hkv] entries each head holds once the plan is applied."""
         return self.counts if self.new is None else self.counts + self.new.counts.to(self.counts.dtype)
+
+    def kept(self, S: int) -> Tensor:
+        """[L, B, Hkv, S] True at the logical indices (below S) of the entries this plan keeps."""
+        live = (torch.arange(self.keep.shape[-1], device=self.keep.device) < self.counts[..., None]).long()
+        index = self.keep.clamp_max(S - 1)  # past counts: padding, never live
+        mask = torch.zeros(*self.counts.shape, S, dtype=torch.long, device=self.keep.device)
+        return mask.scatter_reduce(-1, index, live, "amax").bool()
 
     @classmethod
     def of_mask(cls, kept: Tensor, **fields) -> "Plan":

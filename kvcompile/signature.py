@@ -4,7 +4,8 @@ Every program is ``forward(*INPUTS) -> logits``. The passes add the inputs after
 (``passes.InsertPagedAttention``), the runtime fills them from a ``cache.Step`` and the cache
 (``programs.Programs.run``), ``torch.compile`` marks the varying sizes dynamic, and ``artifact.export`` turns the
 same names into ``torch.export`` dimensions. Dimension names: batch rows, tokens of the call, pages of the pool,
-width of the page table, ring slots, and the same two of the format pool (``cache.formatted``).
+width of the page table, ring slots, the same two of the format pool (``cache.formatted``), and the pages of the
+log-weight channel (``cache.weights``: the pool's pages in a weighted cache, else 0).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ INPUTS = (
     Input("k_pages", ((0, "pages"),), "cache"),
     Input("v_pages", ((0, "pages"),), "cache"),
     Input("page_pos", ((0, "pages"),), "cache"),
+    Input("page_lw", ((0, "lw_pages"),), "cache"),
     Input("page_table", ((1, "batch"), (3, "width")), "cache"),
     Input("lengths", ((1, "batch"),), "cache"),
     Input("obs_q", ((1, "batch"), (3, "ring")), "cache"),

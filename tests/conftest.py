@@ -108,3 +108,37 @@ def llama_cm(llama):
     import kvcompile
 
     return kvcompile.apply(llama, budget=1.0, recipe="full")
+
+
+def merged_and_repeated(B: int = 2, Hkv: int = 2, D: int = 16, P: int = 4, seed: int = 0, device="cpu"):
+    """The same heads twice, as the kernels take them: ``merged``, whose entries stand for n = 1..4 tokens each
+    (log-weight log n), and ``repeated``, where each entry is n plain tokens with its key, value and position.
+    Each is (k_pages, v_pages, page_pos, page_lw, page_table, lengths) on shuffled pages; ``repeated``'s page_lw is
+    empty ([0, P]: no weight channel). Positions are ascending, some shared, within 0..39."""
+    g = torch.Generator().manual_seed(seed)
+    heads = []
+    for _ in range(B * Hkv):
+        S = int(torch.randint(1, 12, (), generator=g))
+        n = torch.randint(1, 5, (S,), generator=g)
+        heads.append((torch.randn(S, D, generator=g), torch.randn(S, D, generator=g),
+                      torch.randint(0, 40, (S,), generator=g).sort().values, n))
+
+    def paged(rows, weighted: bool):
+        width = max(-(-max(len(r[2]) for r in rows) // P), 2)
+        N = 1 + len(rows) * width
+        table = (torch.randperm(N - 1, generator=g) + 1).view(B, Hkv, width).int()
+        k_pages, v_pages, page_lw = torch.zeros(N, P, D), torch.zeros(N, P, D), torch.zeros(N if weighted else 0, P)
+        page_pos = torch.zeros(N, P, dtype=torch.int32)
+        for i, (k, v, pos, lw) in enumerate(rows):
+            j = torch.arange(len(pos))
+            at = (table.view(-1, width)[i][j // P].long(), j % P)
+            k_pages[at], v_pages[at], page_pos[at] = k, v, pos.int()
+            if weighted:
+                page_lw[at] = lw
+        lengths = torch.tensor([len(r[2]) for r in rows], dtype=torch.int32).view(B, Hkv)
+        return tuple(t.to(device) for t in (k_pages, v_pages, page_pos, page_lw, table, lengths))
+
+    merged = paged([(k, v, pos, n.float().log()) for k, v, pos, n in heads], weighted=True)
+    repeated = paged([(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0), pos.repeat_interleave(n), None)
+                      for k, v, pos, n in heads], weighted=False)
+    return merged, repeated

@@ -27,9 +27,12 @@ def _observation(B=1, Hkv=2, G=2, S=40, W=4, D=8, seed=0) -> Observation:
     return Observation(keys, values, positions, valid, queries, q_pos, D**-0.5, 0, 0, 1)
 
 
-def _attend(q, keys, values, visible, scale):
-    """Attention output [B, Hkv, D] of one query per head q [B, Hkv, D] over keys, values [B, Hkv, S, D]."""
+def _attend(q, keys, values, visible, scale, log_weights=None):
+    """Attention output [B, Hkv, D] of one query per head q [B, Hkv, D] over keys, values [B, Hkv, S, D] whose
+    entries stand for exp(log_weights) [B, Hkv, S] tokens each (None: one)."""
     logits = torch.einsum("bhd,bhsd->bhs", q, keys.float()) * scale
+    if log_weights is not None:
+        logits = logits + log_weights
     probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), -1)
     return torch.einsum("bhs,bhsd->bhd", probs, values.float())
 
@@ -112,21 +115,30 @@ def test_contourkv_balancing_keeps_everything_above_one_mass_level():
 
 
 # ---------------------------------------------------------------------------------------------- certkv
-def test_certkv_summary_is_exact_for_its_query():
+@pytest.mark.parametrize("weighted", [False, True], ids=["tokens", "weighted-tail"])
+def test_certkv_summary_is_exact_for_its_query(weighted):
+    """One weighted entry (mean key and value, log-weight the tail's log-mass less the mean key's logit) gives the
+    reference query its attention over the full cache; the same entry at weight 1 does not. A tail that holds
+    weighted entries (an earlier summary) is counted with their weights."""
     obs = _observation(B=2, Hkv=2, G=3, S=40)
-    evicted = torch.rand(2, 2, 40, generator=torch.Generator().manual_seed(1)) < 0.6
-    key, value, position = certkv.CertKV().summarize(obs, evicted)
+    g = torch.Generator().manual_seed(1)
+    if weighted:
+        obs.log_weights = torch.rand(2, 2, 40, generator=g) * 3
+    evicted = torch.rand(2, 2, 40, generator=g) < 0.6
+    key, value, position, log_weight = certkv.CertKV().summarize(obs, evicted)
     q = certkv.reference_query(obs)
-    full = _attend(q, obs.keys, obs.values, obs.valid, obs.scale)
+    full = _attend(q, obs.keys, obs.values, obs.valid, obs.scale, obs.log_weights)
     kept_k = torch.cat([obs.keys, key[:, :, None]], 2)
     kept_v = torch.cat([obs.values, value[:, :, None]], 2)
     visible = torch.cat([obs.valid & ~evicted, torch.ones(2, 2, 1, dtype=torch.bool)], 2)
-    torch.testing.assert_close(_attend(q, kept_k, kept_v, visible, obs.scale), full, atol=1e-6, rtol=1e-5)
+    lw = torch.zeros(2, 2, 40) if obs.log_weights is None else obs.log_weights
+    summary_lw = torch.cat([lw, log_weight[:, :, None]], 2)
+    torch.testing.assert_close(_attend(q, kept_k, kept_v, visible, obs.scale, summary_lw), full, atol=1e-6, rtol=1e-5)
     assert torch.equal(position, torch.full((2, 2), 39))
-    tail = (torch.einsum("bhd,bhsd->bhs", q, obs.keys) * obs.scale).masked_fill(~evicted, float("-inf"))
-    centroid = torch.einsum("bhs,bhsd->bhd", torch.softmax(tail, -1), obs.keys)  # the same key without the shift
-    plain_k = torch.cat([obs.keys, centroid[:, :, None]], 2)
-    assert not torch.allclose(_attend(q, plain_k, kept_v, visible, obs.scale), full, atol=1e-4), "the shift matters"
+    assert (log_weight > 0).all(), "a visible tail of several tokens weighs more than one token"
+    unweighted = torch.cat([lw, torch.zeros(2, 2, 1)], 2)
+    assert not torch.allclose(_attend(q, kept_k, kept_v, visible, obs.scale, unweighted), full, atol=1e-4), \
+        "the weight matters"
 
 
 def test_certkv_cache_summary_row_reproduces_the_evicted_tail(llama_cm):
@@ -144,7 +156,8 @@ def test_certkv_cache_summary_row_reproduces_the_evicted_tail(llama_cm):
         q = certkv.reference_query(obs)
         keys, values, positions, valid = cm.cache.dense(layer)
         full = _attend(q, obs.keys, obs.values, obs.valid, obs.scale)
-        torch.testing.assert_close(_attend(q, keys, values, valid, obs.scale), full, atol=1e-6, rtol=1e-5)
+        compressed = _attend(q, keys, values, valid, obs.scale, cm.cache.log_weights(layer))
+        torch.testing.assert_close(compressed, full, atol=1e-6, rtol=1e-5)
         last = (cm.cache.lengths[layer].long() - 1)[..., None]
         assert torch.equal(positions.gather(-1, last)[..., 0], obs.positions.masked_fill(~obs.valid, -1).amax(-1))
 

@@ -32,6 +32,11 @@ class Pages:
     lengths: torch.Tensor
     packed: bool
 
+    @property
+    def page_lw(self) -> torch.Tensor:
+        """No weighted entries: an empty log-weight channel."""
+        return torch.zeros(0, self.page_pos.shape[1])
+
     def dense(self, layer: int):
         return reference.gather_dense(self.k_pages, self.v_pages, self.page_pos, self.page_table[layer],
                                       self.lengths[layer])
@@ -81,7 +86,8 @@ def test_compact_moves_kept_rows_only():
     keep = torch.tensor([[[0, 3, 8, 0], [1, 2, 4, 5]]])
     count = torch.tensor([[3, 4]])
     before = cache.k_pages.clone()
-    torch.ops.kvcompile.compact(cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], keep, count)
+    torch.ops.kvcompile.compact(cache.k_pages, cache.v_pages, cache.page_pos, cache.page_lw, cache.page_table[0], keep,
+                                count)
     cache.lengths = count[None].int()
     keys, values, pos, valid = cache.dense(0)
     torch.testing.assert_close(keys[0, 0, :3], k[0, 0, [0, 3, 8]])
@@ -100,8 +106,8 @@ def _attention_args(T, packed=False):
     empty = PagedKVCache(1, 2, 4, 8, page_size=4)
     empty.setup(1)
     fmt = tuple(getattr(empty, name) for name in FORMAT_TENSORS)  # no format pool: attention skips it
-    return (q, kn, vn, qp, slots, ring_slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table, cache.lengths,
-            torch.zeros(1, 1, 4, 2, 8), *fmt, 0, 0.35, 0)
+    return (q, kn, vn, qp, slots, ring_slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_lw,
+            cache.page_table, cache.lengths, torch.zeros(1, 1, 4, 2, 8), *fmt, 0, 0.35, 0)
 
 
 @pytest.mark.parametrize("op, T", [("prefill_attention", 3), ("decode_attention", 1), ("decode_attention_packed", 1)])
@@ -134,7 +140,7 @@ def test_packed_follows_every_page_table_change():
 
 def test_opcheck_compact():
     cache, _, _ = filled_cache([9, 6])
-    args = (cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0],
+    args = (cache.k_pages, cache.v_pages, cache.page_pos, cache.page_lw, cache.page_table[0],
             torch.tensor([[[0, 3, 8, 0], [1, 2, 4, 5]]]), torch.tensor([[3, 4]]))
     torch.library.opcheck(torch.ops.kvcompile.compact.default, args)
 

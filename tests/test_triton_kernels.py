@@ -13,6 +13,7 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import merged_and_repeated  # noqa: E402
 
 pytest.importorskip("triton", reason="triton is not installed (pip install kvcompile[triton])")
 
@@ -159,6 +160,24 @@ def test_decode_inside_triton_op(seed):
                                msg=lambda m: f"{m}\nseed={seed}")
 
 
+@pytest.mark.parametrize("window", [0, 16])
+def test_decode_weighted_entries(seed, window):
+    """An entry of log-weight log n decodes as n tokens with its key (the kernel over merged entries against the
+    reference over the repeated ones), and random log-weights give what the reference gives."""
+    merged, repeated = merged_and_repeated(B=2, Hkv=2, D=16, P=4, seed=seed, device=DEVICE)
+    k, v, pos, lw, table, lengths = merged
+    q = torch.randn(2, 4, 1, 16, device=DEVICE)
+    q_pos = torch.full((2, 1), 45 if window == 0 else 35, device=DEVICE)
+    msg = lambda m: f"{m}\nseed={seed} window={window}"  # noqa: E731
+    got = paged_decode(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw, max_splits=2)
+    want = reference.paged_attention(q, q_pos, *repeated[:3], *repeated[4:], 0.3, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=msg)
+    lw = torch.randn_like(lw) * 2
+    got = paged_decode(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw, max_splits=2)
+    want = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=msg)
+
+
 def keep_sets(lengths: torch.Tensor, K: int):
     """Per head: keep nothing, everything, the tail (largest shift) or a random subset.
 
@@ -191,9 +210,11 @@ def compact_case(seed, dtype, P, D, K):
     lengths = special_and_zipf_lengths(B * Hkv, P, cap=70).view(B, Hkv)
     MAXP = (int(lengths.max()) + P - 1) // P + 1
     K = K or MAXP * P
-    cache = make_cache(lengths, P, D, MAXP, dtype, positions=lambda b, h, L: 1000 * (b * Hkv + h) + torch.arange(L))
+    k_pages, v_pages, page_pos, page_table = make_cache(lengths, P, D, MAXP, dtype,
+                                                        positions=lambda b, h, L: 1000 * (b * Hkv + h) + torch.arange(L))
+    page_lw = torch.randn(page_pos.shape, device=DEVICE)  # a weighted cache's log-weights move with their rows
     keep_idx, keep_count = keep_sets(lengths, K)
-    return lengths, cache, keep_idx.to(DEVICE), keep_count.to(DEVICE)
+    return lengths, (k_pages, v_pages, page_pos, page_lw, page_table), keep_idx.to(DEVICE), keep_count.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -201,9 +222,9 @@ def compact_case(seed, dtype, P, D, K):
 def test_compact_moves_kept_rows_only(seed, dtype, P, D, K):
     """Kept rows land at the front of their head; every other pool row (past keep_count, other heads' pages,
     page 0, spare pages) is bit-identical to before. K is smaller than most lengths, so sources lie past K."""
-    lengths, (k_pages, v_pages, page_pos, page_table), keep_idx, keep_count = compact_case(seed, dtype, P, D, K)
-    before = [t.clone() for t in (k_pages, v_pages, page_pos)]
-    compact(k_pages, v_pages, page_pos, page_table, keep_idx, keep_count)
+    lengths, (k_pages, v_pages, page_pos, page_lw, page_table), keep_idx, keep_count = compact_case(seed, dtype, P, D, K)
+    before = [t.clone() for t in (k_pages, v_pages, page_pos, page_lw)]
+    compact(k_pages, v_pages, page_pos, page_lw, page_table, keep_idx, keep_count)
 
     want = [t.clone() for t in before]
     B, Hkv, _ = page_table.shape
@@ -215,7 +236,7 @@ def test_compact_moves_kept_rows_only(seed, dtype, P, D, K):
             for old, new in zip(before, want):
                 new[table[dst // P], dst % P] = old[table[src // P], src % P]
     msg = f"seed={seed} dtype={dtype} lengths={lengths.tolist()} keep_count={keep_count.tolist()}"
-    for name, got, exp in zip(("k_pages", "v_pages", "page_pos"), (k_pages, v_pages, page_pos), want):
+    for name, got, exp in zip(("k_pages", "v_pages", "page_pos", "page_lw"), (k_pages, v_pages, page_pos, page_lw), want):
         assert torch.equal(got, exp), f"{name} differs; {msg}"
 
 
@@ -224,10 +245,10 @@ def test_compact_moves_kept_rows_only(seed, dtype, P, D, K):
 def test_compact_matches_reference(seed, dtype, K):
     """Same pools as reference.compact, keep_idx as wide as a full head (None) or narrower than most heads."""
     lengths, cache, keep_idx, keep_count = compact_case(seed, dtype, P=4, D=16, K=K)
-    expected = [t.clone() for t in cache[:3]]
-    reference.compact(*expected, cache[3], keep_idx, keep_count)
+    expected = [t.clone() for t in cache[:4]]
+    reference.compact(*expected, cache[4], keep_idx, keep_count)
     compact(*cache, keep_idx, keep_count)
-    for got, exp in zip(cache[:3], expected):
+    for got, exp in zip(cache[:4], expected):
         assert torch.equal(got, exp), f"seed={seed} lengths={lengths.tolist()} keep_count={keep_count.tolist()}"
 
 

@@ -172,7 +172,7 @@ def test_compositions_by_name_version_and_errors():
 
 
 COMPOSED = ["chunkkv+snapkv", "entropy-gated-chunkkv+snapkv", "chunk+snapkv", "block+keydiff", "decoding+knorm",
-            "chunkkv+adakv-snapkv", "adakv+knorm", "key-rerotation+knorm",
+            "chunkkv+adakv-snapkv", "adakv+knorm", "key-rerotation+knorm", "merging+snapkv",
             compose("composed", "snapkv", first="knorm", keep=0.5)]
 
 

@@ -1,7 +1,7 @@
 """Byte accounting of the paged cache: every tensor it owns, what each holds, and the peaks since ``setup``.
 
-``bytes_held`` is the K/V payload of the pages that hold tokens, in both pools (page rounding, and a page
-format's scales and zero points, included: what budgets bound);
+``bytes_held`` is the K/V payload of the pages that hold tokens, in both pools (page rounding, a page format's
+scales and zero points, and a weighted cache's log-weights included: what budgets bound);
 ``bytes_allocated`` is every byte of every tensor the cache owns, broken down into payload, free pages (the rest of
 the pool: the scratch page, reserved room), positions, tables (page tables, lengths, counters) and the observation
 ring. A test walks the cache object and checks the breakdown sums to what it really allocated.
@@ -23,8 +23,9 @@ class ByteAccounting:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of K plus V in one page."""
-        return 2 * self.page_size * self.head_dim * self.k_pages.element_size()
+        """Bytes of K plus V in one page, and of its log-weights in a ``weighted`` cache (``cache.weights``)."""
+        weights = self.page_size * self.page_lw.element_size() if self.weighted else 0
+        return 2 * self.page_size * self.head_dim * self.k_pages.element_size() + weights
 
     @property
     def token_bytes(self) -> int:
@@ -68,7 +69,7 @@ class ByteAccounting:
         "tables" (page tables, lengths, counters) or "ring" (the observation ring)."""
         return {
             "k_pages": (self.k_pages, "pages"), "v_pages": (self.v_pages, "pages"),
-            "page_pos": (self.page_pos, "positions"),
+            "page_pos": (self.page_pos, "positions"), "page_lw": (self.page_lw, "pages"),
             "page_table": (self.page_table, "tables"), "lengths": (self.lengths, "tables"),
             "n_pages": (self.n_pages, "tables"), "seen": (self.seen, "tables"),
             "token_ids": (self.token_ids, "tables"),
@@ -112,16 +113,17 @@ class ByteAccounting:
 
     def format_stats(self) -> dict[str, dict]:
         """Per pool (the model's dtype, the page format): entries held, and the bytes of their pages as codes,
-        scales and zero points ("meta"), positions."""
+        scales and zero points ("meta"), log-weights ("weights", a weighted cache's), positions."""
         held = {str(self.dtype).removeprefix("torch."): (self.lengths, self.k_pages, self.v_pages, None, None,
-                                                         self.page_pos)}
+                                                         self.page_lw if self.weighted else None, self.page_pos)}
         if self.page_format is not None:
             held[self.page_format] = (self.fmt_lengths, self.fmt_k, self.fmt_v, self.fmt_k_meta, self.fmt_v_meta,
-                                      self.fmt_pos)
+                                      None, self.fmt_pos)
         out = {}
-        for name, (lengths, k, v, k_meta, v_meta, pos) in held.items():
+        for name, (lengths, k, v, k_meta, v_meta, weights, pos) in held.items():
             pages = int(self.pages_held(lengths).sum())
             page = lambda t: 0 if t is None else t[0].nbytes  # noqa: E731  (bytes of one page of t)
             out[name] = {"tokens": int(lengths.long().sum()), "codes": pages * (page(k) + page(v)),
-                         "meta": pages * (page(k_meta) + page(v_meta)), "positions": pages * page(pos)}
+                         "meta": pages * (page(k_meta) + page(v_meta)), "weights": pages * page(weights),
+                         "positions": pages * page(pos)}
         return out

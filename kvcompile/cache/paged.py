@@ -4,6 +4,7 @@ Layout (shape letters: L layers, B batch rows, Hkv KV heads, P page size, D head
 
     k_pages, v_pages : [N, P, D]             one pool for all layers; a page holds P tokens of ONE (layer, b, h)
     page_pos         : [N, P] int32          original sequence position of each stored token
+    page_lw          : [N, P] float32        log-weight of each stored entry ([0, P] unless ``weighted``: ``weights``)
     page_table       : [L, B, Hkv, W] int32  logical page i of head (l, b, h) -> physical page (W >= 2)
     lengths          : [L, B, Hkv] int32     tokens head (l, b, h) holds
     n_pages          : [L, B, Hkv] int64     pages head (l, b, h) owns (its length's pages plus reserved room)
@@ -41,6 +42,7 @@ from .accounting import ByteAccounting
 from .formatted import FORMAT_TENSORS, FormatPool
 from .pages import MIN_WIDTH, PagePool
 from .ring import QueryRing
+from .weights import WeightChannel
 
 @dataclass
 class Step:
@@ -53,11 +55,11 @@ class Step:
     ring_slots: Tensor
 
 
-class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
+class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Module):
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, *,
         dtype: torch.dtype = torch.float32, page_size: int = 16, device: torch.device | str = "cpu",
-        keep_ids: bool = False, page_format: str | None = None,
+        keep_ids: bool = False, page_format: str | None = None, weighted: bool = False,
     ):
         super().__init__()
         if page_size < 1:
@@ -70,6 +72,8 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         self.register_buffer("k_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
         self.register_buffer("v_pages", torch.zeros(1, P, D, dtype=dtype, device=dev))
         self.register_buffer("page_pos", torch.zeros(1, P, dtype=torch.int32, device=dev))
+        self.weighted = weighted  # the recipe writes weighted entries: a log-weight channel beside page_pos
+        self.register_buffer("page_lw", torch.zeros(1 if weighted else 0, P, device=dev))
         self.register_buffer("page_table", torch.zeros(L, 0, Hkv, MIN_WIDTH, dtype=torch.int32, device=dev))
         self.register_buffer("lengths", torch.zeros(L, 0, Hkv, dtype=torch.int32, device=dev))
         self.register_buffer("n_pages", torch.zeros(L, 0, Hkv, dtype=torch.int64, device=dev))
@@ -104,6 +108,7 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         L, Hkv, P, D = self.num_layers, self.num_kv_heads, self.page_size, self.head_dim
         self.k_pages, self.v_pages = self.k_pages.new_zeros(1, P, D), self.v_pages.new_zeros(1, P, D)
         self.page_pos = self.page_pos.new_zeros(1, P)
+        self._empty_weights(1)
         self.page_table = self.page_table.new_zeros(L, batch_size, Hkv, MIN_WIDTH)
         self.lengths = self.lengths.new_zeros(L, batch_size, Hkv)
         self.n_pages = self.n_pages.new_zeros(L, batch_size, Hkv)
@@ -170,13 +175,18 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         ``shrink``, shrink the pool to what is owned (a decode-time schedule keeps its pool for the next tokens).
         Entries the plan puts in the page format go to a new format pool first (``FormatPool._keep_formatted``)."""
         if plan.new is not None and bool((plan.new.log_weights != 0).any()):
-            raise NotImplementedError("attention does not honour entry weights yet; the plan writes weighted entries")
+            if not self.weighted:
+                raise ValueError("the plan writes weighted entries, but this cache has no weight channel "
+                                 "(PagedKVCache(weighted=True))")
+            if plan.formats is not None:
+                raise NotImplementedError("weighted entries live in the model-dtype pool only; the plan stores them "
+                                          f"in {self.page_format} pages")
         self._note(held=True)
         if plan.formats is not None or self.format_used:
             plan = self._keep_formatted(plan)
         L, B, Hkv = plan.counts.shape
         flat = (L * B, Hkv)
-        ops.compact(self.k_pages, self.v_pages, self.page_pos, self.page_table.reshape(*flat, -1),
+        ops.compact(self.k_pages, self.v_pages, self.page_pos, self.page_lw, self.page_table.reshape(*flat, -1),
                     plan.keep.reshape(*flat, -1), plan.counts.reshape(flat))
         if plan.new is not None:
             self._write_new(plan.counts, plan.new)
@@ -209,6 +219,8 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         self.k_pages.view(-1, D).index_copy_(0, rows, new.keys.reshape(-1, D)[where].to(self.dtype))
         self.v_pages.view(-1, D).index_copy_(0, rows, new.values.reshape(-1, D)[where].to(self.dtype))
         self.page_pos.view(-1).index_copy_(0, rows, new.positions.reshape(-1)[where].to(self.page_pos.dtype))
+        if self.weighted:
+            self.page_lw.view(-1).index_copy_(0, rows, new.log_weights.reshape(-1)[where].float())
 
     def _zero_past_lengths(self) -> None:
         """Zero the rows past each head's length in its last held page (the isolation invariant)."""
@@ -216,9 +228,8 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
         j = self.lengths.long()[..., None] + torch.arange(P, device=self.device)  # [L, B, Hkv, P]
         past = j < self.pages_held()[..., None] * P
         rows = reference.rows_of(self.page_table, j.clamp_max(self.page_table.shape[-1] * P - 1), P)[past]
-        D = self.head_dim
-        for pool in (self.k_pages.view(-1, D), self.v_pages.view(-1, D), self.page_pos.view(-1, 1)):
-            pool.index_fill_(0, rows, 0)
+        for pool in (getattr(self, name) for name in self.row_pools()):
+            pool.view(-1, *pool.shape[2:]).index_fill_(0, rows, 0)
 
     def rewrite(self, layer: int, keys: Tensor | None = None, values: Tensor | None = None,
                 positions: Tensor | None = None) -> None:
@@ -246,5 +257,6 @@ class PagedKVCache(PagePool, FormatPool, ByteAccounting, nn.Module):
 
     def program_tensors(self) -> tuple[Tensor, ...]:
         """The tensors a program reads and writes, in the calling convention's order (``programs.CACHE_INPUTS``)."""
-        return (self.k_pages, self.v_pages, self.page_pos, self.page_table, self.lengths, self.ring.queries,
+        return (self.k_pages, self.v_pages, self.page_pos, self.page_lw, self.page_table, self.lengths,
+                self.ring.queries,
                 *(getattr(self, name) for name in FORMAT_TENSORS))

@@ -17,7 +17,7 @@ MIN_WIDTH = 2  # page-table width floor: a dimension of size 1 would make a comp
 
 
 class PagePool:
-    """Page bookkeeping of ``PagedKVCache`` (mixed into it): ``k_pages``, ``v_pages``, ``page_pos``,
+    """Page bookkeeping of ``PagedKVCache`` (mixed into it): ``k_pages``, ``v_pages``, ``page_pos``, ``page_lw``,
     ``page_table``, ``n_pages`` and ``room`` are the cache's own."""
 
     def reserve(self, n_tokens: int | Tensor, growth: float = 1.5) -> None:
@@ -75,6 +75,11 @@ class PagePool:
             self._packed_for = (weakref.ref(table), table._version, answer)
         return answer
 
+    def row_pools(self) -> tuple[str, ...]:
+        """The pools that hold one row per token and move together: keys, values, positions, and log-weights in a
+        ``weighted`` cache."""
+        return ("k_pages", "v_pages", "page_pos") + (("page_lw",) if self.weighted else ())
+
     def _widen(self, width: int) -> None:
         """Widen the page table to ``width`` pages (new slots point at the scratch page 0)."""
         if width > self.page_table.shape[-1]:
@@ -90,7 +95,7 @@ class PagePool:
         owned = self._owned()
         keep = torch.cat([self.page_table.new_zeros(1), self.page_table[owned]]).long()  # scratch page, then owned
         n = keep.numel() - 1
-        for name in ("k_pages", "v_pages", "page_pos"):
+        for name in self.row_pools():
             pool = getattr(self, name)
             new = pool.new_empty(capacity, *pool.shape[1:])
             torch.index_select(pool, 0, keep, out=new[: n + 1])  # one read and one write of what heads own

@@ -6,6 +6,7 @@ Layout (see ``kvcompile.cache.PagedKVCache`` for the whole story)::
 
     k_pages, v_pages : [N_pages, P, D]      page pool, one page = P tokens of one (layer, batch row, KV head)
     page_pos         : [N_pages, P] int32   original sequence position of every stored token
+    page_lw          : [N_pages, P] float32 log-weight of every stored entry, added to its logit ([0, P]: none)
     page_table       : [B, Hkv, MAXP] int32 logical page i of head (b, h) -> physical page id
     lengths          : [B, Hkv] int32       tokens held by head (b, h)
 
@@ -105,6 +106,7 @@ def paged_attention(
     block_bytes: int = 1 << 26,
     first_page: int | None = None,
     stored: FormatPages | None = None,
+    log_weights: Tensor | None = None,
 ) -> Tensor:
     """Attention of new queries over the keys each KV head holds.
 
@@ -115,7 +117,10 @@ def paged_attention(
     the newest token, so without a window no position check is needed. ``first_page``: the heads' pages are the
     packed run starting there (``PagedKVCache.packed``), read in place instead of gathered. ``stored``: the
     layer's format pool, whose entries every head also holds (``FormatPages``; attended by ``stored_decode`` for a
-    decode step without a window, else by ``merged_attention``).
+    decode step without a window, else by ``merged_attention``). ``log_weights``: the pool's log-weights
+    ([N_pages, P], added to each entry's logit: an entry of weight w gets the mass of w tokens with its key); None
+    or empty ([0, P]) for plain tokens. A cache holds weighted entries in its model-dtype pool only, so the format
+    paths take none.
     """
     if stored is not None and not stored.empty:
         dense = gather_dense(k_pages, v_pages, page_pos, page_table, lengths, first_page)
@@ -123,6 +128,8 @@ def paged_attention(
             return stored_decode(q, dense, stored, scale)
         return merged_attention(q, q_pos, dense, stored, scale, window, block_bytes)
     B, Hq, T, D = q.shape
+    weighted = log_weights is not None and log_weights.shape[0] > 0  # a shape, not values, picks the path
+    weights = heads_view(log_weights, page_table, first_page) if weighted else None  # [B, Hkv, S]
     if T == 1 and window == 0:  # decode of the newest token: every held key is at or before it
         keys, values = heads_view(k_pages, page_table, first_page), heads_view(v_pages, page_table, first_page)
         visible = torch.arange(keys.shape[2], device=q.device) < lengths.unsqueeze(-1)
@@ -136,6 +143,8 @@ def paged_attention(
             dq = q_pos.long()[:, None, :]
             visible = valid & (k_pos <= dq) & (dq - k_pos < window)
         scores = torch.matmul(q.view(B, Hkv, G, D), keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
+        if weighted:
+            scores = scores + weights[:, :, None].to(scores.dtype)
         probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
         return torch.matmul(probs, values).view(B, Hq, 1, D)
     if window == 0 and _fresh_causal(q_pos, k_pos, lengths, T):  # first prefill, no padding: plain causal
@@ -151,11 +160,16 @@ def paged_attention(
         if window > 0:
             visible = visible & (dq - dk < window)
         # heads that hold the same tokens share one mask (broadcast); otherwise one mask per query head
-        mask = visible[:, :1] if bool((visible == visible[:, :1]).all()) else visible.repeat_interleave(G, 1)
+        shared = not weighted and bool((visible == visible[:, :1]).all())
+        visible = visible[:, :1] if shared else visible.repeat_interleave(G, 1)
+        mask = visible
+        if weighted:  # a float mask: each entry's log-weight added to its logit
+            bias = weights.repeat_interleave(G, 1)[:, :, None, :].to(q.dtype)
+            mask = torch.where(visible, bias, float("-inf"))
         o = torch.nn.functional.scaled_dot_product_attention(
             q[:, :, t0 : t0 + step], keys, values, attn_mask=mask, scale=scale, enable_gqa=G > 1
         )
-        out.append(o.nan_to_num(0.0) * mask.any(-1, keepdim=True))
+        out.append(o.nan_to_num(0.0) * visible.any(-1, keepdim=True))
     return torch.cat(out, 2)
 
 
@@ -255,9 +269,11 @@ def write_tokens(
 
 
 def compact(
-    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor, keep_idx: Tensor, keep_count: Tensor
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, keep_idx: Tensor,
+    keep_count: Tensor,
 ) -> None:
-    """Move each head's kept tokens to the front of its own pages, in place, K, V and positions together.
+    """Move each head's kept tokens to the front of its own pages, in place, K, V, positions and log-weights (when
+    ``page_lw`` is not empty) together.
 
     page_table: [B, Hkv, MAXP]; keep_idx: [B, Hkv, K] logical token indices, ascending in the first
     ``keep_count[b, h]`` entries (the rest is ignored); keep_count: [B, Hkv]. After the call token j of head
@@ -270,5 +286,6 @@ def compact(
     live = j < keep_count.unsqueeze(-1)
     src = rows_of(page_table, keep_idx.long(), P)[live]
     dst = rows_of(page_table, j.expand_as(keep_idx), P)[live]
-    for pool in (k_pages.view(-1, D), v_pages.view(-1, D), page_pos.view(-1, 1)):
+    pools = (k_pages.view(-1, D), v_pages.view(-1, D), page_pos.view(-1, 1))
+    for pool in pools + ((page_lw.view(-1, 1),) if page_lw.numel() else ()):
         pool.index_copy_(0, dst, pool[src])  # pool[src] is a copy, so overlapping src/dst are safe

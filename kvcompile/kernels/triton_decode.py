@@ -19,6 +19,9 @@ launches without a host sync and can be captured in a CUDA graph.
 A query head that sees no key (length 0, or every key masked by causality or the window) gets zeros, as in the
 reference.
 
+Weighted entries (``cache.weights``) add their log-weight to their logit in stage 1 (WEIGHTED, a constant: an
+unweighted cache compiles the kernel without the load).
+
 A format pool (``reference.FormatPages``: entries stored in a page format) gets a stage-1 launch of its own,
 with the format's layout as constants, whose splits follow the model-dtype pool's in the work buffers; the one
 stage 2 merges them all (Minima-KV's merge is this split-K merge). Its rows are decoded in registers
@@ -84,13 +87,13 @@ def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn,
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, q_pos_ptr, k_ptr, v_ptr, k_meta_ptr, v_meta_ptr, page_pos_ptr, page_table_ptr, lengths_ptr, part_out_ptr,
-    part_lse_ptr, scale, window,
+    q_ptr, q_pos_ptr, k_ptr, v_ptr, k_meta_ptr, v_meta_ptr, page_pos_ptr, lw_ptr, page_table_ptr, lengths_ptr,
+    part_out_ptr, part_lse_ptr, scale, window,
     stride_qb, stride_qh, stride_kn, stride_kp, stride_vn, stride_vp, stride_kmn, stride_kmp, stride_vmn, stride_vmp,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr, MAXP: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     F32_DOT: tl.constexpr, K_BITS: tl.constexpr, K_GROUP: tl.constexpr, V_BITS: tl.constexpr,
-    V_GROUP: tl.constexpr, FIRST_SPLIT: tl.constexpr, ALL_SPLITS: tl.constexpr,
+    V_GROUP: tl.constexpr, FIRST_SPLIT: tl.constexpr, ALL_SPLITS: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -124,6 +127,8 @@ def _decode_split_kernel(
         v = _load_rows(v_ptr, v_meta_ptr, page, j % P, d, kv_ok, stride_vn, stride_vp, stride_vmn, stride_vmp,
                        D, V_BITS, V_GROUP)
         s = _dot(q, tl.trans(k.to(q.dtype)), F32_DOT) * scale  # [BLOCK_G, BLOCK_N] fp32
+        if WEIGHTED:  # an entry standing for w tokens: + log w on its logit
+            s = s + tl.load(lw_ptr + page * P + j % P, mask=j_ok, other=0.0)[None, :]
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: keep exp() away from NaN
@@ -174,6 +179,7 @@ def paged_decode(
     out: Tensor | None = None,
     max_splits: int = 16,
     stored=None,
+    log_weights: Tensor | None = None,
 ) -> Tensor:
     """Decode attention of one new token per batch row; ``reference.paged_attention`` with T == 1.
 
@@ -181,6 +187,8 @@ def paged_decode(
     page_table: [B, Hkv, MAXP]; lengths: [B, Hkv]. Returns ``out`` (allocated if None): [B, Hq, 1, D], q's dtype.
     Query heads that see no key get zeros. ``stored``: the layer's format pool (``reference.FormatPages``), read
     by a second stage-1 launch that decodes its rows in registers into splits of their own; stage 2 merges both.
+    ``log_weights``: [N_pages, P] fp32 added to the model-dtype pool's logits (None or [0, P]: none; a shape, so
+    the kernel's WEIGHTED constant, picks the path).
     """
     B, Hq, T, D = q.shape
     _, Hkv, MAXP = page_table.shape
@@ -191,19 +199,21 @@ def paged_decode(
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
     q_pos = q_pos.contiguous()
-    pools = [(k_pages, None, v_pages, None, page_pos, page_table, lengths)]
+    weighted = log_weights is not None and log_weights.shape[0] > 0
+    pools = [(k_pages, None, v_pages, None, page_pos, page_table, lengths, weighted)]
     if stored is not None and not stored.empty:
-        pools.append(tuple(stored))
+        pools.append((*stored, False))
     splits = max_splits * len(pools)
     part_out = torch.empty(B, Hkv, G, splits, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hkv, G, splits, device=q.device, dtype=torch.float32)
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    for i, (k, k_meta, v, v_meta, pos, table, lens) in enumerate(pools):
+    for i, (k, k_meta, v, v_meta, pos, table, lens, lw) in enumerate(pools):
         (k_bits, k_group), (v_bits, v_group) = _layout(k, k_meta, D), _layout(v, v_meta, D)
         k_meta, v_meta = (k if k_meta is None else k_meta), (v if v_meta is None else v_meta)
         pos, table, lens = (t.contiguous() for t in (pos, table, lens))
         wrap_triton(_decode_split_kernel)[(B * Hkv, max_splits)](
-            q, q_pos, k, v, k_meta, v_meta, pos, table, lens, part_out, part_lse,
+            q, q_pos, k, v, k_meta, v_meta, pos, log_weights.contiguous() if lw else pos, table, lens, part_out,
+            part_lse,
             scale, window if window > 0 else 2**31 - 1,  # no window: every causal key is in range
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_meta.stride(0), k_meta.stride(1), v_meta.stride(0), v_meta.stride(1),
@@ -213,7 +223,7 @@ def paged_decode(
             # operands as their raw uint16 bits; feed it fp32 there (same rounding of p, exact products).
             F32_DOT=q.device.type == "cpu" and q.dtype == torch.bfloat16,
             K_BITS=k_bits, K_GROUP=k_group, V_BITS=v_bits, V_GROUP=v_group,
-            FIRST_SPLIT=i * max_splits, ALL_SPLITS=splits,
+            FIRST_SPLIT=i * max_splits, ALL_SPLITS=splits, WEIGHTED=lw,
         )
     wrap_triton(_decode_merge_kernel)[(B * Hq,)](
         part_out, part_lse, out, out.stride(0), out.stride(1),

@@ -45,7 +45,8 @@ class Observation:
     queries: [B, Hq, W, D] the layer's last W queries (post-RoPE), in ring order (query p sits in slot p mod W: read
     ``query_positions``, not the slot order); query_positions: [B, W], -1 where there was no query (short prompt,
     padding); scale: the layer's softmax scale; window: its sliding window (0 = none); token_ids, weights: what the
-    ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them).
+    ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them);
+    log_weights: [B, Hkv, S] each entry's log-weight (``cache.weights``; None: every entry is one token).
     """
 
     keys: Tensor
@@ -60,6 +61,7 @@ class Observation:
     num_layers: int
     token_ids: Tensor | None = None
     weights: dict = field(default_factory=dict)
+    log_weights: Tensor | None = None
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
         """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible).
@@ -177,9 +179,10 @@ class Allocator:
         [B, Hkv, S] as the compressor cleaned them): a tensor [B, Hkv, ...], or None (the default)."""
         return None
 
-    def summarize(self, obs: Observation, evicted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """For ``TAIL_SUMMARY`` allocators: the summary row of each head's evicted tokens (``evicted`` [B, Hkv, S])
-        as key, value [B, Hkv, D] and position [B, Hkv]."""
+    def summarize(self, obs: Observation, evicted: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For ``TAIL_SUMMARY`` allocators: the summary entry of each head's evicted tokens (``evicted``
+        [B, Hkv, S]) as key, value [B, Hkv, D], position and log-weight [B, Hkv] (the entry stands for that many
+        tokens with its key: ``cache.weights``)."""
         raise NotImplementedError
 
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .base import Allocator, Observation, attention_mass, register_allocator
 
-_FLOOR = 30.0  # a summary of a tail the reference query does not see gets this much less logit than the max
+_FLOOR = 30.0  # a summary of a tail the reference query does not see: this much less logit than the max
 
 
 @register_allocator("certkv")
@@ -26,12 +26,16 @@ class CertKV(Allocator):
     a best-marginal repair adds single slots until the integer budget is met exactly. A head left evicting a
     single token keeps it instead of summarising it.
 
-    Summary row (``summarize``; our construction, the paper leaves the key's bias open): for the reference query
-    q (the mean of the head's observed window queries), value = the tail's attention-weighted mean value under q,
-    key = the tail's attention-weighted mean key moved along q until exp(scale * q . k) equals the tail's total
-    exp-mass. Attention of q over kept tokens + summary then equals attention over the full cache exactly (the
-    paper's sketch is exact for this one query); for other queries it is an approximation. The row sits at the
-    head's latest position, so every later query sees it.
+    Summary entry (``summarize``): one weighted entry (``cache.weights``). For the reference query q (the mean of
+    the head's observed window queries), its key and value are the tail's attention-weighted mean key and value
+    under q (the paper's centroids, with q's attention as the importance), and its log-weight is the tail's
+    log-mass under q less the mean key's own logit, log sum_T exp(l_j) - scale * q . k_mean: it gets the tail's
+    whole mass. The paper leaves open whether the summary gets a mass term; this log-weight is our choice (it
+    replaced a synthetic key moved along q, version 1, which skewed every other query's logit). Attention of q over
+    kept tokens + summary then equals attention over the full cache exactly (the paper's sketch is exact for this
+    one query); for other queries it is an approximation, a mean key that stands for the tail's tokens. A tail
+    holding weighted entries (a summary of an earlier compression) counts each with its weight. The entry sits at
+    the head's latest position, so every later query sees it.
     """
 
     iterations: int = 48  # bisection steps on lam
@@ -98,10 +102,11 @@ class CertKV(Allocator):
         return counts
 
     def summarize(self, obs: Observation, evicted: Tensor):
-        B, Hkv, S, D = obs.keys.shape
         q = reference_query(obs)  # [B, Hkv, D]
         keys, values = obs.keys.float(), obs.values.float()
         logits = torch.einsum("bhd,bhsd->bhs", q, keys) * obs.scale
+        if obs.log_weights is not None:  # an entry standing for w tokens has w times their mass
+            logits = logits + obs.log_weights
         last = obs.query_positions.amax(-1)[:, None, None]  # the latest observed query position [B, 1, 1]
         visible = obs.valid & (obs.positions <= last)
         if obs.window > 0:
@@ -112,12 +117,10 @@ class CertKV(Allocator):
         weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, uniform)
         mean_k, mean_v = torch.einsum("bhs,bhsd->bhd", weights, keys), torch.einsum("bhs,bhsd->bhd", weights, values)
         ceiling = logits.masked_fill(~visible, float("-inf")).amax(-1).nan_to_num(0.0, neginf=0.0)
-        lse = torch.logsumexp(tail, -1).maximum(ceiling - _FLOOR)  # target logit of the summary row
-        qq = q.pow(2).sum(-1)
-        shift = ((lse / obs.scale - (q * mean_k).sum(-1)) / qq.clamp_min(1e-12)).masked_fill(qq == 0, 0.0)
-        key = mean_k + shift[..., None] * q
+        lse = torch.logsumexp(tail, -1).maximum(ceiling - _FLOOR)  # the summary's logit under q, its weight included
+        log_weight = lse - obs.scale * (q * mean_k).sum(-1)
         position = obs.positions.masked_fill(~obs.valid, -1).amax(-1).clamp_min(0)
-        return key, mean_v, position
+        return mean_k, mean_v, position, log_weight
 
 
 def _suffix_sum(x: Tensor) -> Tensor:

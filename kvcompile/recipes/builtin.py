@@ -19,6 +19,8 @@ _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts
 #   adakv-criticalkv: both.
 #   compactor: the 8 + 4 sinks take no part in the scores (key centring, chunks, attention and its queries,
 #     smoothing, z-score statistics), as kvpress slices them out; before, they widened every statistic.
+#   certkv (fingerprinted): the tail summary is one weighted entry (the tail's mean key and value, log-weight its
+#     log-mass under the reference query less the mean key's logit) instead of a synthetic key moved along that query.
 # Version 3:
 #   kvzip: the reconstruction replays every token read since the last compression (with prefill_chunk, chunks that
 #     fit the budget are reconstructed with the next one), not only the chunk just read.
@@ -158,10 +160,11 @@ _BUILTIN = [
     Recipe("contourkv-balancing", "snapkv", "contourkv", {"window": 32, "kernel": 7}, {"variant": "balancing"},
            source="https://arxiv.org/abs/2608.25230 (balancing variant)", provenance="abstract",
            inferred="'balancing' read as equal marginal mass, i.e. the least total dropped mass"),
-    Recipe("certkv", "snapkv", "certkv", {"window": 32, "kernel": 7}, source="https://arxiv.org/abs/2608.21541",
-           provenance="abstract",
-           inferred="the method from third-party full-text reads; the summary row's key is our construction; a head "
-                    "evicting one token keeps it"),
+    Recipe("certkv", "snapkv", "certkv", {"window": 32, "kernel": 7}, version=2,
+           source="https://arxiv.org/abs/2608.21541", provenance="abstract",
+           inferred="the method from third-party full-text reads; the summary's log-weight (the tail's mass for the "
+                    "mean window query) is our choice, the paper leaves a mass term open; a head evicting one token "
+                    "keeps it"),
     Recipe("page-entrokv", "page-entrokv", "page-entrokv", {"window": 32, "sinks": 4, "tau": 1.0},
            source="https://arxiv.org/abs/2610.03135", provenance="abstract",
            inferred="the observed queries (last 32), 4 sinks, tau 1 from unofficial code; its layer budgets and "

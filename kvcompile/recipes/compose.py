@@ -41,6 +41,11 @@ _WRAPPERS = [  # (role, template)
                         source="kvpress 0.5.5 KeyRerotationPress (FINCH's rerotate_keys)", provenance="peer",
                         inferred="kept keys moved right before the next query, not to 0..n-1 with the query moved to "
                                  "n: the same query-key distances, with one query position for ragged heads")),
+    ("merge", Recipe("merging", "snapkv", merge={"similarity_threshold": 0.0, "merge_fraction": 1.0},
+                     source="kvpress 0.5.5 MergingPress (after ToMe, arXiv 2210.09461, and D2O, arXiv 2406.13035)",
+                     provenance="peer",
+                     inferred="the epsilon of the merge weight (1e-6); the fraction's quantile over every evicted "
+                              "similarity of a head; merges into whatever the allocator keeps, ragged or not")),
     ("decode", Recipe("decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
                                                     "args": {"buffer": 256}},
                       source="kvpress 0.5.5 DecodingPress", provenance="peer",
@@ -119,6 +124,8 @@ def _wrap(name: str, base: Recipe, args: dict) -> Recipe:
         fields = {"prefill_chunk": args.get("block_size", w.prefill_chunk)}
     elif role == "rerotate":
         fields = {"rerotate_keys": True}
+    elif role == "merge":
+        fields = {"merge": {**w.merge, **args}}
     elif role == "decode":
         policy_args = {**w.decode["args"], "scorer": base.scorer, "scorer_args": base.scorer_args}
         fields = {"decode": {**w.decode, **args, "args": policy_args}}

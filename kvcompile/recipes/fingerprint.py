@@ -27,6 +27,7 @@ from pathlib import Path
 from ..kernels.formats import FORMATS, get_format
 from ..methods import ALLOCATORS, SCORERS
 from ..methods.decoding import POLICIES
+from ..methods.merging import ValueMerging
 from ..rerotation import rerotate
 from . import RECIPES, Recipe
 from .compose import WRAPPERS, parse
@@ -44,7 +45,8 @@ def behaviour(recipe: Recipe) -> dict:
     fields = {"scorer": recipe.scorer, "allocator": recipe.allocator, "scorer_args": recipe.scorer_args,
               "allocator_args": recipe.allocator_args, "decode": recipe.decode}
     optional = {"prefill_chunk": recipe.prefill_chunk, "rerotate_keys": recipe.rerotate_keys,
-                "format": recipe.format and repr(get_format(recipe.format)), "precise_recent": recipe.precise_recent}
+                "format": recipe.format and repr(get_format(recipe.format)), "precise_recent": recipe.precise_recent,
+                "merge": recipe.merge}
     return fields | {k: v for k, v in optional.items() if v}  # unset, they leave earlier fingerprints alone
 
 
@@ -55,6 +57,7 @@ def code_roots(recipe: Recipe) -> list[type]:
     roots += [SCORERS[recipe.scorer]] if recipe.scorer else []
     roots += [POLICIES[recipe.decode["policy"]]] if recipe.decode else []
     roots += [rerotate] if recipe.rerotate_keys else []
+    roots += [ValueMerging] if recipe.merge else []
     page_format = get_format(recipe.format) if recipe.format else None
     roots += [type(page_format.key), type(page_format.value)] if page_format else []
     return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args, recipe.decode or {}]) if s in SCORERS]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ..kernels.formats import get_format
 from ..methods import ALLOCATORS, SCORERS
+from ..methods.merging import ValueMerging
 from ..schedule import DecodeSchedule
 
 PROVENANCE = {  # the strongest evidence a recipe rests on
@@ -37,6 +38,7 @@ class Recipe:
     format: str | None = None  # store what compression keeps in this page format (``kernels.formats``; None: dtype)
     precise_recent: int = 0  # with a format: the newest tokens stay in the model's dtype (KIVI's residual window;
     # while decoding, every precise_recent tokens, those older than the window move to the format: ``Steps``)
+    merge: dict | None = None  # ``methods.merging.ValueMerging`` fields: fold evicted values into kept ones (None: no)
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:
@@ -47,6 +49,8 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: unknown allocator {self.allocator!r}; known: {sorted(ALLOCATORS)}")
         if self.format is not None:
             get_format(self.format)
+        if self.merge is not None:
+            self._check_merge()
         if self.precise_recent and self.format is None:
             raise ValueError(f"recipe {self.name!r}: precise_recent keeps recent tokens out of a page format; it "
                              "needs a format")
@@ -55,6 +59,17 @@ class Recipe:
                 DecodeSchedule(**self.decode)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"recipe {self.name!r}: bad decode schedule: {e}") from e
+
+    def _check_merge(self) -> None:
+        """Merging folds values at a prefill compression: its parameters must be ValueMerging's, and a decode-time
+        schedule (which would evict without merging) is refused."""
+        try:
+            ValueMerging(**self.merge)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"recipe {self.name!r}: bad merge parameters: {e}") from e
+        if self.decode is not None:
+            raise ValueError(f"recipe {self.name!r}: value merging runs at prefill compression only, not beside a "
+                             "decode-time schedule")
 
     def __str__(self) -> str:
         decode = f" + decode {self.decode['policy']}" if self.decode else ""

@@ -1,0 +1,93 @@
+"""Weighted entries (``kvcompile.cache.weights``): an entry of log-weight log n attends exactly as n tokens with its
+key and value, in prefill and decode attention; CertKV's summary is one; the weight channel is counted in the bytes,
+moves with its entries, is absent from every other recipe's cache, and survives ``torch.compile``."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from conftest import left_padded_batch, merged_and_repeated
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import kvcompile
+from kvcompile.kernels import reference
+
+
+@pytest.fixture
+def seed():
+    seed = int(os.environ.get("KVC_SEED", random.SystemRandom().randrange(2**31)))
+    torch.manual_seed(seed)
+    return seed
+
+
+@pytest.mark.parametrize("T, window", [(1, 0), (1, 16), (3, 0), (3, 16)],
+                         ids=["decode", "decode-window", "prefill", "prefill-window"])
+def test_an_entry_of_log_weight_log_n_attends_as_n_tokens(seed, T, window):
+    """Reference attention (the decode step's paths and the prefill's blocked one, causal and sliding-window) over
+    entries of weights 1..4 equals attention over the same entries repeated, as plain tokens; with every weight 1
+    the weighted path gives the unweighted one's output."""
+    merged, repeated = merged_and_repeated(B=2, Hkv=2, D=16, P=4, seed=seed)
+    q = torch.randn(2, 4, T, 16)
+    q_pos = torch.randint(20, 50, (2, T)).sort(-1).values if T > 1 else torch.full((2, 1), 45 if window == 0 else 35)
+    (k, v, pos, lw, table, lengths), plain = merged, repeated
+    got = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw)
+    want = reference.paged_attention(q, q_pos, *plain[:3], *plain[4:], 0.3, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{m}\nseed={seed}")
+    unweighted = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window)
+    assert not torch.allclose(unweighted, want, atol=1e-3), f"the weights matter here; seed={seed}"
+    ones = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw * 0)
+    torch.testing.assert_close(ones, unweighted, atol=1e-6, rtol=1e-6, msg=lambda m: f"weight 1: {m}\nseed={seed}")
+
+
+def _certkv(llama_cm, **kwargs):
+    cm = kvcompile.apply(llama_cm, budget=0.25, recipe="certkv", page_size=4, **kwargs)
+    ids, mask = left_padded_batch([64, 50], total=64)
+    return cm, cm.prefill(ids, mask)
+
+
+def test_certkv_pays_for_its_weight_channel_within_the_budget_and_other_recipes_have_none(llama_cm):
+    cm, _ = _certkv(llama_cm)
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"]
+    pool = stats["formats"]["float32"]
+    assert pool["weights"] == stats["pages_held"] * 4 * 4 > 0, "4 bytes of log-weight per held row"
+    assert stats["bytes_held"] == pool["codes"] + pool["weights"]
+    summaries = sum(int((cm.cache.log_weights(layer) != 0).sum()) for layer in range(3))
+    assert 0 < summaries <= 3 * 2 * 2, "one weighted entry per head that evicts, at most"
+    for _ in range(4):  # decoded tokens are plain ones: weight 1
+        cm.decode(torch.full((2, 1), 5))
+    assert sum(int((cm.cache.log_weights(layer) != 0).sum()) for layer in range(3)) == summaries
+    snapkv = kvcompile.apply(llama_cm, budget=0.25, recipe="snapkv", page_size=4)
+    snapkv.prefill(*left_padded_batch([64, 50], total=64))
+    assert snapkv.cache_stats()["formats"]["float32"]["weights"] == 0 and snapkv.cache.page_lw.numel() == 0
+
+
+def test_a_fork_keeps_weighted_entries_only_for_a_recipe_that_writes_them(llama_cm):
+    cm, _ = _certkv(llama_cm)
+    with pytest.raises(ValueError, match="holds weighted entries; a recipe without them must prefill on its own"):
+        cm.fork("snapkv")
+    assert cm.fork("certkv", budget=0.2).cache.weights_used
+    shared = kvcompile.apply(llama_cm, budget=1.0, recipe="snapkv", page_size=4)
+    shared.prefill(*left_padded_batch([64, 50], total=64), compress=False)
+    child = shared.fork("certkv", budget=0.25)
+    child.compress()
+    assert child.cache.weights_used and not shared.cache.weighted
+
+
+def test_weighted_entries_survive_compile(llama_cm):
+    """CertKV compiled (prefill, compression, decode) gives the eager logits; the weight channel's size is dynamic,
+    so the decode compiles once over growing pools."""
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("eager")
+    compiled, a = _certkv(llama_cm, compile=counter)
+    eager, b = _certkv(llama_cm)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert compiled.cache.weights_used
+    for step in range(6):
+        token = b[:, -1].argmax(-1, keepdim=True)
+        a, b = compiled.decode(token), eager.decode(token)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"decode step {step}: {m}")
+    assert counter.frame_count == 2, "one prefill and one decode compilation"
