@@ -141,21 +141,27 @@ def test_certkv_summary_is_exact_for_its_query(weighted):
         "the weight matters"
 
 
-def test_certkv_cache_summary_row_reproduces_the_evicted_tail(llama_cm):
-    """After compression the summary row sits right after the kept tokens, at the head's latest position, and the
-    reference query's attention over the compressed cache equals its attention over the full cache."""
+@pytest.mark.parametrize("turns", [1, 2], ids=["one-turn", "over-summaries"])
+def test_certkv_cache_summary_row_reproduces_the_evicted_tail(llama_cm, turns):
+    """After compression the summary entry sits right after the kept tokens, at the head's latest position, and
+    the reference query's attention over the compressed cache (log-weights included) equals its attention over the
+    full cache; also when the cache already held an earlier turn's summaries, which count with their weights."""
     cm = kvcompile.apply(llama_cm, budget=0.25, recipe="certkv", page_size=4)
     ids, mask = left_padded_batch([160, 120], total=160)
+    if turns == 2:  # a first turn compressed: its summaries are held when the second turn is compressed
+        cm.prefill(ids[:, :80], mask[:, :80])
+        ids, mask = ids[:, 80:], mask[:, 80:]
     cm.prefill(ids, mask, compress=False)
     before = [observe(cm.cache, layer) for layer in cm.programs.layers]
+    assert (turns == 2) == any(obs.log_weights.any() for obs in before)
     lengths = cm.cache.lengths.clone()
     cm.compress()
     assert (cm.cache.lengths < lengths).all()
-    assert cm.cache.bytes_held().sum() <= lengths.sum() // 4 * cm.cache.token_bytes
+    assert cm.cache_stats()["bytes_held"] <= cm.cache_stats()["budget_bytes"]
     for layer, obs in enumerate(before):
         q = certkv.reference_query(obs)
         keys, values, positions, valid = cm.cache.dense(layer)
-        full = _attend(q, obs.keys, obs.values, obs.valid, obs.scale)
+        full = _attend(q, obs.keys, obs.values, obs.valid, obs.scale, obs.log_weights)
         compressed = _attend(q, keys, values, valid, obs.scale, cm.cache.log_weights(layer))
         torch.testing.assert_close(compressed, full, atol=1e-6, rtol=1e-5)
         last = (cm.cache.lengths[layer].long() - 1)[..., None]

@@ -14,6 +14,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvcompile
 from kvcompile.kernels import reference
+from kvcompile.methods import Observation
 
 
 @pytest.fixture
@@ -40,6 +41,24 @@ def test_an_entry_of_log_weight_log_n_attends_as_n_tokens(seed, T, window):
     assert not torch.allclose(unweighted, want, atol=1e-3), f"the weights matter here; seed={seed}"
     ones = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw * 0)
     torch.testing.assert_close(ones, unweighted, atol=1e-6, rtol=1e-6, msg=lambda m: f"weight 1: {m}\nseed={seed}")
+
+
+def test_scorers_see_an_entry_of_weight_n_draw_the_attention_of_n_tokens(seed):
+    """``Observation.window_attention`` (what the scorers read) over a weighted entry equals the attention its
+    repeated tokens draw together, and leaves the other entries' attention as it was."""
+    B, Hkv, G, S, W, D = 1, 2, 2, 6, 3, 8
+    keys, values, n = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D), torch.randint(1, 5, (S,))
+    queries, q_pos = torch.randn(B, Hkv * G, W, D), torch.arange(20, 20 + W)[None]
+
+    def observation(k, v, log_weights=None):
+        S = k.shape[2]
+        positions, valid = torch.arange(S).expand(B, Hkv, S), torch.ones(B, Hkv, S, dtype=torch.bool)
+        return Observation(k, v, positions, valid, queries, q_pos, D**-0.5, 0, 0, 1, log_weights=log_weights)
+
+    merged = observation(keys, values, n.float().log().expand(B, Hkv, S)).window_attention()
+    repeated = observation(keys.repeat_interleave(n, 2), values.repeat_interleave(n, 2)).window_attention()
+    summed = torch.zeros_like(merged).index_add_(-1, torch.arange(S).repeat_interleave(n), repeated)
+    torch.testing.assert_close(merged, summed, atol=1e-6, rtol=1e-5, msg=lambda m: f"{m}\nseed={seed}")
 
 
 def _certkv(llama_cm, **kwargs):

@@ -64,17 +64,18 @@ class Observation:
     log_weights: Tensor | None = None
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
-        """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible).
+        """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible); an
+        entry standing for w tokens (``log_weights``) draws the attention of w tokens with its key.
 
         ``queries`` picks a slice of the window ([B, Hq, w, S]), so a scorer that reads many queries can go block by
         block and never hold a W x S tensor. ``chunk > 0``: non-causal attention within position chunks of that
         size (query and key in the same chunk) instead of causal attention."""
         B, Hkv, S, D = self.keys.shape
-        Hq = self.queries.shape[1]
-        q = self.queries[:, :, queries]
+        Hq, q = self.queries.shape[1], self.queries[:, :, queries]
         W = q.shape[2]
         q = q.reshape(B, Hkv, Hq // Hkv, W, D).float()
         logits = torch.einsum("bhgwd,bhsd->bhgws", q, self.keys.float()) * self.scale
+        logits = logits if self.log_weights is None else logits + self.log_weights[:, :, None, None, :]
         qp = self.query_positions[:, queries][:, None, None, :, None]
         kp = self.positions[:, :, None, None, :]
         order = (qp // chunk == kp // chunk) if chunk > 0 else (kp <= qp)
@@ -180,9 +181,8 @@ class Allocator:
         return None
 
     def summarize(self, obs: Observation, evicted: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """For ``TAIL_SUMMARY`` allocators: the summary entry of each head's evicted tokens (``evicted``
-        [B, Hkv, S]) as key, value [B, Hkv, D], position and log-weight [B, Hkv] (the entry stands for that many
-        tokens with its key: ``cache.weights``)."""
+        """For ``TAIL_SUMMARY`` allocators: the summary entry of each head's ``evicted`` [B, Hkv, S] tokens as key,
+        value [B, Hkv, D], position and log-weight [B, Hkv] (it stands for e^log-weight tokens: ``cache.weights``)."""
         raise NotImplementedError
 
 
