@@ -5,8 +5,9 @@ The target is SmolLM2 at budget 1.0 (its full cache); the draft is the same mode
 tokens of a long document (Python's bundled ``pydoc_data`` topics: nothing is downloaded), and both generate
 ``--tokens`` tokens greedily (or at ``--temperature``), end-of-text ignored. Per context we measure, within one run:
 
-* plain decoding against speculative decoding (``generate(..., draft=draft, draft_tokens=k)``) in seconds per new
-  token, prefills taken out (each prefill is timed on its own first), and whether the greedy outputs are identical;
+* plain greedy decoding (``decode`` steps over the target's prefilled cache) against speculative decoding
+  (``generate(..., draft=draft, draft_tokens=k)``) in seconds per new token, prefills taken out (each model's
+  prefill is timed on its own first), and whether the greedy outputs are identical;
 * the acceptance rate (drafted tokens the target kept) and tokens emitted per target call;
 * the draft's cache: bytes held (its budget's, plus the generated tokens) and allocated, against the target's;
 * the cost model's inputs: one draft decode step and one target verification of k + 1 tokens, each over one target
@@ -50,46 +51,50 @@ def timed(fn):
 
 
 def median_time(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one untimed call (the first reserves room, packing the pool)."""
+    fn()
     return statistics.median(timed(fn)[1] for _ in range(repeats))
 
 
-def step_costs(target, draft, ids, k: int, repeats: int) -> dict:
-    """Prefill seconds of both models, then per-call seconds on their prefilled caches: a target decode step, a
-    target verification (``decode_many`` of k + 1 tokens), a draft decode step."""
-    token = ids[:, -1:]
-    _, target_prefill = timed(lambda: target.prefill(ids, logits="last"))
-    target_step = median_time(lambda: target.decode(token), repeats)
-    verify = median_time(lambda: target.decode_many(ids[:, -(k + 1):]), repeats)
-    target.reset()
-    _, draft_prefill = timed(lambda: draft.prefill(ids, logits="last"))
-    draft_step = median_time(lambda: draft.decode(token), repeats)
-    draft.reset()
-    return dict(target_prefill_s=target_prefill, draft_prefill_s=draft_prefill, target_step_s=target_step,
-                verify_s=verify, draft_step_s=draft_step)
+def plain(target, ids, tokens: int) -> dict:
+    """Plain greedy decoding over the target's freshly prefilled cache (what ``generate`` does without a draft):
+    its output, its prefill seconds, seconds per new token (``tokens - 1`` decode steps) and per decode step."""
+    logits, prefill = timed(lambda: target.prefill(ids, logits="last"))
+    new = [logits[:, -1].argmax(-1, keepdim=True)]
+
+    def decode():
+        for _ in range(tokens - 1):
+            new.append(target.decode(new[-1])[:, -1].argmax(-1, keepdim=True))
+
+    _, seconds = timed(decode)
+    return dict(out=torch.cat([ids, *new], 1), target_prefill_s=prefill, plain_s_per_token=seconds / tokens,
+                target_step_s=seconds / (tokens - 1))
 
 
 def measure(target, draft, ids, args) -> dict:
-    costs = step_costs(target, draft, ids, args.k, args.repeats)
+    base = plain(target, ids, args.tokens)
+    verify = median_time(lambda: target.decode_many(ids[:, -(args.k + 1):]), args.repeats)  # on that cache
+    _, draft_prefill = timed(lambda: draft.prefill(ids, logits="last"))
+    draft_step = median_time(lambda: draft.decode(ids[:, -1:]), args.repeats)
     sampling = dict(do_sample=args.temperature > 0, temperature=args.temperature or 1.0, eos_token_id=[],
-                    max_new_tokens=args.tokens)
-    seed = lambda: torch.Generator().manual_seed(0)  # noqa: E731
-    plain, t_plain = timed(lambda: target.generate(ids, generator=seed(), **sampling))
-    spec, t_spec = timed(lambda: target.generate(ids, generator=seed(), draft=draft, draft_tokens=args.k, **sampling))
+                    max_new_tokens=args.tokens, generator=torch.Generator().manual_seed(0))
+    spec, t_spec = timed(lambda: target.generate(ids, draft=draft, draft_tokens=args.k, **sampling))
     stats, held, drafted = target.speculation, target.cache_stats(), draft.cache_stats()
     new = spec.shape[1] - ids.shape[1]
-    plain_s = (t_plain - costs["target_prefill_s"]) / (plain.shape[1] - ids.shape[1])
-    spec_s = (t_spec - costs["target_prefill_s"] - costs["draft_prefill_s"]) / new
-    c, v = costs["draft_step_s"] / costs["target_step_s"], costs["verify_s"] / costs["target_step_s"]
+    spec_s = (t_spec - base["target_prefill_s"] - draft_prefill) / new
+    c, v = draft_step / base["target_step_s"], verify / base["target_step_s"]
     per_call = new / (stats.rounds + 1)  # the first token comes from the prefill's logits
+    identical = bool(torch.equal(base.pop("out"), spec)) if args.temperature == 0 else None
     return dict(
-        context=ids.shape[1], new_tokens=new, identical=bool(torch.equal(plain, spec)) if args.temperature == 0 else None,
-        acceptance=stats.acceptance_rate, rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted,
-        tokens_per_call=per_call, plain_s_per_token=plain_s, spec_s_per_token=spec_s, speedup=plain_s / spec_s,
-        c=c, v=v, predicted_speedup=per_call / (args.k * c + v),
+        context=ids.shape[1], new_tokens=new, identical=identical, acceptance=stats.acceptance_rate,
+        rounds=stats.rounds, drafted=stats.drafted, accepted=stats.accepted, tokens_per_call=per_call,
+        spec_s_per_token=spec_s, speedup=base["plain_s_per_token"] / spec_s, c=c, v=v,
+        predicted_speedup=per_call / (args.k * c + v),
         small_draft_speedup=per_call / (args.k * 0.1 + v),  # the same acceptance, a draft 10x cheaper per step
         draft_bytes_held=drafted["bytes_held"], draft_bytes_allocated=drafted["bytes_allocated"],
         draft_budget_bytes=drafted["budget_bytes"], target_bytes_held=held["bytes_held"],
-        target_bytes_allocated=held["bytes_allocated"], **costs,
+        target_bytes_allocated=held["bytes_allocated"], draft_prefill_s=draft_prefill, verify_s=verify,
+        draft_step_s=draft_step, **base,
     )
 
 
@@ -129,7 +134,7 @@ def main():
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls per step cost (median)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls per step cost (median, after a warm-up)")
     parser.add_argument("--out", default=str(RESULTS / "speculative"))
     args = parser.parse_args()
     torch.manual_seed(0)

@@ -149,7 +149,8 @@ def _verify(p_logits: Tensor, q_logits: list[Tensor], proposed: list[int], sampl
             if x != int(p_logits[i].argmax()):
                 return i, int(p_logits[i].argmax())
             continue
-        p, q = (distribution(t, sampling["temperature"], sampling["top_p"]) for t in (p_logits[i], q_logit))
+        p, q = (distribution(t.to(p_logits.device), sampling["temperature"], sampling["top_p"])
+                for t in (p_logits[i], q_logit))
         if float(torch.rand((), generator=generator, device=p.device)) >= float(acceptance(p, q)[x]):
             return i, int(torch.multinomial(residual(p, q), 1, generator=generator))
     return len(proposed), int(sample(p_logits[-1:], **sampling))
