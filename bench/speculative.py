@@ -17,7 +17,8 @@ Batch-1 decode is bound by reading the weights, and the draft has the target's w
 speculation is expected to lose here (``docs/guide.md`` works through what a smaller draft changes). Timings are
 taken on a shared machine; only ratios within one run are compared.
 
-    python bench/speculative.py --contexts 2048,4096,8000 --budget 0.1 --k 4 --tokens 64
+    python bench/speculative.py --contexts 2048,4096 --tokens 32                      # bench/results/speculative.*
+    python bench/speculative.py --contexts 8000 --tokens 32 --out bench/results/speculative_8k
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def plain(target, ids, tokens: int) -> dict:
 
 
 def measure(target, draft, ids, args) -> dict:
+    target.reset(), draft.reset()  # a prefill on a non-empty cache would append to it
     base = plain(target, ids, args.tokens)
     verify = median_time(lambda: target.decode_many(ids[:, -(args.k + 1):]), args.repeats)  # on that cache
     _, draft_prefill = timed(lambda: draft.prefill(ids, logits="last"))
