@@ -18,12 +18,18 @@ def sample(logits: Tensor, do_sample: bool, temperature: float, top_p: float, ge
     """The next token [B] from logits [B, V]: argmax, or a draw at ``temperature`` from the top-``top_p`` nucleus."""
     if not do_sample:
         return logits.argmax(-1)
+    return torch.multinomial(nucleus(logits, temperature, top_p), 1, generator=generator).squeeze(-1)
+
+
+def nucleus(logits: Tensor, temperature: float, top_p: float) -> Tensor:
+    """[..., V] the weights ``sample`` draws from: softmax at ``temperature``, zero outside the smallest set of the
+    likeliest tokens whose mass reaches ``top_p`` (not renormalised: ``multinomial`` normalises)."""
     probs = torch.softmax(logits.float() / temperature, -1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         outside = sorted_p.cumsum(-1) - sorted_p > top_p
         probs = probs.scatter(-1, order, sorted_p.masked_fill(outside, 0.0))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return probs
 
 
 def generate_tokens(decode, logits: Tensor, max_new_tokens: int, eos: Tensor, pad: int, sampling: dict) -> Tensor:

@@ -24,10 +24,11 @@ from .programs import Programs
 from .recipes import Recipe, get_recipe
 from .schedule import DecodeCompressor, DecodeSchedule
 from .spec import ModelSpec
+from .speculative import Speculation
 from .steps import Steps
 
 
-class CompressedModel(Steps, nn.Module):
+class CompressedModel(Steps, Speculation, nn.Module):
     """A causal LM over a compressed, ragged per-head paged KV cache. Build it with ``kvcompile.apply``.
 
     Positions keep counting the original sequence after eviction; keys are stored after RoPE. The budget applies
@@ -110,17 +111,6 @@ class CompressedModel(Steps, nn.Module):
         self._follow_weights()
         self.cache.setup(batch_size)
         self.context_tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
-
-    @property
-    def decode_window(self) -> int:
-        """Queries per layer the decode schedule reads while generating (0: none, the ring is released)."""
-        schedule = self.decoder.schedule if self.decoder else self.schedule  # a small cap may have fitted it
-        return schedule.observation_window if schedule else 0
-
-    @property
-    def observation_window(self) -> int:
-        """Queries per layer this model reads when it compresses (its scorer's sources) or decodes."""
-        return max(self.decode_window, observation.window(self.scorer.sources()) if self.scorer else 0)
 
     def budget_bytes(self) -> Tensor:
         """[B] bytes each sequence may hold: of the tokens prefilled to compress, or of all read (a decoding cap)."""
@@ -235,6 +225,7 @@ class CompressedModel(Steps, nn.Module):
         context_mask: Tensor | None = None, max_new_tokens: int = 32, do_sample: bool = False,
         temperature: float = 1.0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None, generator: torch.Generator | None = None,
+        draft: CompressedModel | None = None, draft_tokens: int = 4,
     ) -> Tensor:
         """Generate up to ``max_new_tokens`` after ``input_ids``; returns [B, T + new] (input then new tokens).
 
@@ -242,7 +233,9 @@ class CompressedModel(Steps, nn.Module):
         so no ranking can see the question (query-agnostic), except a scorer that ranks by the question (FINCH),
         which compresses both after the question. Without it, ``input_ids`` itself is compressed after prefill
         (``cache_stats()["query_aware"]`` is then True). Finished rows are padded with ``pad_token_id`` (default:
-        the first eos id).
+        the first eos id). With a ``draft`` (another ``CompressedModel`` over the same vocabulary, one sequence),
+        decoding is speculative (``speculative``): the draft proposes ``draft_tokens`` at a time, this model verifies
+        them in one call and rolls both caches back; the output is distributed as this model's alone.
         """
         if eos_token_id is None and self.generation_config is not None:
             eos_token_id = self.generation_config.eos_token_id
@@ -251,6 +244,7 @@ class CompressedModel(Steps, nn.Module):
         context_real, real = checks.prompt(input_ids, attention_mask, context_ids, context_mask, max_new_tokens,
                                            vocab_size=self.programs.vocab_size, max_positions=self.spec.max_positions)
         self._refuse_without_question(context_ids is None)
+        self._check_draft(draft, draft_tokens, input_ids, attention_mask, context_ids, context_mask, max_new_tokens)
         if self.schedule is not None and max_new_tokens > 1:
             self._fit_schedule(int(real.sum(1).min()) + (0 if context_ids is None else int(context_real.sum(1).min())))
         self.reset()
@@ -259,8 +253,9 @@ class CompressedModel(Steps, nn.Module):
             logits = self._read_prompt(input_ids, real.to(self.device), context_ids, context_real)
             if self.schedule is None:  # one reservation for the whole generation (a schedule reserves its own)
                 self.cache.reserve(max_new_tokens)
-            new = generate_tokens(self._decode, logits, max_new_tokens, torch.tensor(eos, device=self.device), pad,
-                                  sampling)
+            eos, prompt = torch.tensor(eos, device=self.device), (input_ids, real, context_ids, context_real)
+            new = generate_tokens(self._decode, logits, max_new_tokens, eos, pad, sampling) if draft is None else \
+                self._speculate(draft, draft_tokens, logits, max_new_tokens, eos, sampling, prompt)
         return torch.cat([input_ids.to(self.device), new], 1)
 
     def _fit_schedule(self, tokens: int) -> None:  # raises, before anything changes, when the cap cannot hold it

@@ -1,7 +1,7 @@
 """The steps of a ``CompressedModel`` (mixed into it): where a prompt's or a decoded token's tokens go
-(``PagedKVCache.append``), the program that reads them (``Programs.run``), and what keeps the cache in shape
-between decode steps: a recipe's decode schedule, or a format recipe's demotion of the tokens that leave its
-precise recent window (``PagedKVCache.demote``)."""
+(``PagedKVCache.append``), the queries they leave in the observation ring, the program that reads them
+(``Programs.run``), and what keeps the cache in shape between decode steps: a recipe's decode schedule, or a format
+recipe's demotion of the tokens that leave its precise recent window (``PagedKVCache.demote``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import contextlib
 import torch
 from torch import Tensor
 
+from . import observation
 from .schedule import DecodeCompressor
 
 RESERVE_AHEAD = 64  # tokens of room a plain decode reserves at a time (allocation stays off the step)
@@ -41,6 +42,18 @@ class Steps:
         logits = self._prefill(input_ids, real, context_ids is None or asks, "last", pending=False)
         self.query_aware = context_ids is None or self.recipe.query_aware
         return logits
+
+    @property
+    def decode_window(self) -> int:
+        """Queries per layer the decode schedule reads while generating (0: none, the ring is released)."""
+        schedule = self.decoder.schedule if self.decoder else self.schedule  # a small cap may have fitted it
+        return schedule.observation_window if schedule else 0
+
+    @property
+    def observation_window(self) -> int:
+        """Queries per layer this model reads when it compresses (its scorer's sources) or decodes."""
+        scorer = observation.window(self.scorer.sources()) if self.scorer else 0
+        return max(self.decode_window, scorer)
 
     def _refuse_without_question(self, compressing: bool = True) -> None:
         """Raise, before anything changes, when a scorer that ranks by the question would compress without it."""

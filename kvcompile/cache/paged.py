@@ -22,10 +22,10 @@ are zeroed when it shrinks, padding writes zeros), so attention that reads a who
 zeros, never what another row or an earlier request left behind.
 
 The cache changes its state only through its own methods: ``setup`` (a new request), ``append`` (make room for a
-step and say where its tokens go; the program writes them), ``keep`` (apply a compression ``Plan``), ``drop_from``,
-``reserve`` / ``provision`` / ``trim`` (pages). With a ``page_format``, a head's entries are its format entries
-then its model-dtype ones (``held``, ``dense``), and ``keep`` stores what a plan puts in the format. ``stats``
-reports every byte it allocates (``tensors`` names each tensor and what it is).
+step and say where its tokens go; the program writes them), ``keep`` (apply a compression ``Plan``), ``drop_from``
+and ``rewind`` (take tokens back), ``reserve`` / ``provision`` / ``trim`` (pages). With a ``page_format``, a head's
+entries are its format entries then its model-dtype ones (``held``, ``dense``), and ``keep`` stores what a plan puts
+in the format. ``stats`` reports every byte it allocates (``tensors`` names each tensor and what it is).
 """
 
 from __future__ import annotations
@@ -222,12 +222,32 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
         if self.weighted:
             self.page_lw.view(-1).index_copy_(0, rows, new.log_weights.reshape(-1)[where].float())
 
+    def rewind(self, seen: Tensor) -> None:
+        """Forget the tokens at positions >= ``seen`` [B] (speculative decoding's rejected drafts): as ``drop_from``,
+        but they must have been appended since the last ``keep``, so they are each head's tail and nothing is
+        compacted: lengths go back, the emptied rows are zeroed, their pages stay owned as room."""
+        drop = self.seen - seen.to(self.seen)
+        low, high = drop.aminmax()
+        if int(low) < 0 or int(high) > self.appended:
+            raise ValueError(f"rewind forgets only tokens appended since the last compression ({self.appended} at "
+                             f"most), not {int(high)}, nor tokens not yet read ({-int(low)})")
+        lengths = self.lengths - drop.to(torch.int32)[None, :, None]
+        self._zero_entries(lengths, self.lengths, int(high))
+        self.lengths, self.seen = lengths, seen.to(self.seen).clone()
+        self.ring.forget_from(self.seen)
+        self.appended -= int(low)
+
     def _zero_past_lengths(self) -> None:
         """Zero the rows past each head's length in its last held page (the isolation invariant)."""
+        self._zero_entries(self.lengths, self.pages_held() * self.page_size, self.page_size)
+
+    def _zero_entries(self, start: Tensor, stop: Tensor, width: int) -> None:
+        """Zero the pool rows of each head's logical entries ``start <= j < stop`` ([L, B, Hkv], at most ``width``
+        apart) in pages it owns: a row that holds no token is zero."""
         P = self.page_size
-        j = self.lengths.long()[..., None] + torch.arange(P, device=self.device)  # [L, B, Hkv, P]
-        past = j < self.pages_held()[..., None] * P
-        rows = reference.rows_of(self.page_table, j.clamp_max(self.page_table.shape[-1] * P - 1), P)[past]
+        j = start.long()[..., None] + torch.arange(width, device=self.device)  # [L, B, Hkv, width]
+        inside = j < stop[..., None]
+        rows = reference.rows_of(self.page_table, j.clamp_max(self.page_table.shape[-1] * P - 1), P)[inside]
         for pool in (getattr(self, name) for name in self.row_pools()):
             pool.view(-1, *pool.shape[2:]).index_fill_(0, rows, 0)
 

@@ -72,3 +72,10 @@ class QueryRing(nn.Module):
         """Forget every query but keep the capacity (a reconstruction pass fills the ring with its own queries)."""
         self.positions.fill_(-1)
         self.queries.zero_()
+
+    def forget_from(self, seen: Tensor) -> None:
+        """Empty the slots of the queries at positions >= ``seen`` [B] (their tokens were taken back)."""
+        if self.capacity:
+            gone = self.positions >= seen[:, None]
+            self.positions.masked_fill_(gone, -1)
+            self.queries.masked_fill_(gone[None, :, None, :, None], 0)
