@@ -13,8 +13,10 @@ from test_scorers import make_obs
 
 import kvcompile
 from kvcompile.calibration.duoattention import calibrate
+from kvcompile.methods import ALLOCATORS
 from kvcompile.methods.duoattention import streaming_error
 from kvcompile.methods.simlayerkv import lazy_mass
+from kvcompile.methods.streaming_heads import RULED_OUT
 from kvcompile.recipes import Recipe
 
 SINKS, RECENT = 4, 8
@@ -79,6 +81,23 @@ def test_a_layer_whose_last_query_looks_at_its_sinks_and_recent_is_lazy():
     assert lazy_mass(obs, 1, SINKS, RECENT) > 0.9
     obs.queries = 40 * obs.keys[:, :, 20].repeat_interleave(2, 1)[:, :, None]  # the middle of the context
     assert lazy_mass(obs, 1, SINKS, RECENT) < 0.5
+
+
+def test_fill_eligible_gives_equal_shares_up_to_each_heads_eligible_tokens():
+    seed = random.randrange(1 << 30)
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(3, 2, 4, 20, generator=gen)
+    scores[torch.rand(scores.shape, generator=gen) < 0.5] = RULED_OUT
+    lengths = torch.randint(5, 21, (3, 2, 4), generator=gen)
+    scores[torch.arange(20).expand_as(scores) >= lengths[..., None]] = float("-inf")
+    budget = torch.randint(1, 200, (2,), generator=gen)
+    counts = ALLOCATORS["fill-eligible"]().allocate(scores, lengths, budget)
+    caps = (scores > RULED_OUT).sum(-1)
+    for b in range(2):
+        c, cap = counts[:, b].flatten(), caps[:, b].flatten()
+        assert (c <= cap).all() and int(c.sum()) == min(int(budget[b]), int(cap.sum())), f"seed {seed}"
+        free = c < cap  # a head below its cap is at the common level: no other head holds more than one above it
+        assert not free.any() or int(c.max()) <= int(c[free].min()) + 1, f"seed {seed}: {c.tolist()} {cap.tolist()}"
 
 
 def simlayer(tau: float) -> Recipe:

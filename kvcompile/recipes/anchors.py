@@ -40,7 +40,8 @@ def delimiter_ids(tokenizer, delimiters=DELIMITERS) -> list[int]:
 
 def resolve(recipe: str | Recipe, tokenizer, patterns=PATTERNS) -> Recipe:
     """``recipe`` with every ``ta-fast`` among its scorers given ``patterns`` and the delimiters as ``tokenizer``'s
-    ids (anchors given already are kept); any other recipe is returned as it is."""
+    ids (anchors given already are kept); any other recipe is returned as it is. To compress while decoding,
+    wrap the resolved recipe: ``compose("decoding", resolve("ta-fast+snapkv", tok))``."""
     recipe = get_recipe(recipe)
     if not _needs(recipe.scorer, recipe.scorer_args):
         return recipe
