@@ -38,7 +38,10 @@ class DuoAttention(Wrapper):
     out (pair it with the ``fill-eligible`` allocator); retrieval heads rank by the ``base`` scorer.
 
     Uncalibrated (``head_scores`` None), each layer's ``streaming`` fraction of heads whose observed queries lose
-    least to the streaming mask (``streaming_error``) stream, per prompt."""
+    least to the streaming mask (``streaming_error``) stream, per prompt.
+
+    Inferred: the head score (the paper trains a gate per head), the per-prompt fallback, and SnapKV ranking inside
+    retrieval heads under a budget (the paper keeps them whole)."""
 
     head_scores: list | None = None
     streaming: float = 0.5

@@ -29,7 +29,10 @@ def lazy_mass(obs: Observation, last: int, sinks: int, recent: int) -> Tensor:
 class SimLayerKV(Wrapper):
     """In a lazy layer (``lazy_mass`` > ``tau``) every head keeps its ``sinks`` first and ``recent`` newest tokens
     and rules the rest out (pair it with the ``fill-eligible`` allocator, which gives the budget they leave to the
-    other layers); elsewhere the ``base`` scorer ranks. Decided per sequence, at each compression."""
+    other layers); elsewhere the ``base`` scorer ranks. Decided per sequence, at each compression.
+
+    Inferred: per sequence (kvpress averages over the batch), and the base ranking the other layers under a budget
+    (kvpress keeps them whole)."""
 
     tau: float = 0.9
     sinks: int = 4

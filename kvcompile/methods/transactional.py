@@ -29,7 +29,7 @@ class TransactionalFast(Wrapper):
     budget, even one the base's pins would fill alone."""
 
     anchors: list | None = None  # token-id sequences; None: not resolved for a tokenizer yet
-    delimiters: list = ()  # token ids that end a value
+    delimiters: list | tuple = ()  # token ids that end a value
     span: int = 16
     share: float = 0.25
 
