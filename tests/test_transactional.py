@@ -11,7 +11,7 @@ import torch
 from conftest import assert_plain_at_full_budget, byte_llama, byte_tokenizer, left_padded_batch
 
 import kvcompile
-from kvcompile.methods.transactional import sponsor_first, sponsored_positions
+from kvcompile.methods.transactional import find_anchors, sponsor_first, spans
 from kvcompile.recipes import anchors, compose
 
 FILLER = "The grass is green. The sky is blue. Here we go. "
@@ -65,7 +65,8 @@ def test_sponsored_spans_follow_the_anchor_rule():
         ids = [rng.randrange(6) for _ in range(rng.randrange(1, 60))]
         seqs = [[rng.randrange(6) for _ in range(rng.randrange(1, 3))] for _ in range(rng.randrange(1, 3))]
         delimiters, span = {rng.randrange(6)}, rng.randrange(1, 6)
-        got = sponsored_positions(torch.tensor([ids]), seqs, delimiters, span)[0].tolist()
+        t = torch.tensor([ids])
+        got = spans(find_anchors(t, seqs)[0], torch.isin(t, torch.tensor(sorted(delimiters))), span)[0].tolist()
         assert got == reference_spans(ids, seqs, delimiters, span), f"seed {seed}: {ids} {seqs} {delimiters} {span}"
 
 
@@ -146,3 +147,44 @@ def test_a_sweep_resolves_the_anchors_and_shares_one_prefill_that_logs_the_ids(t
     rows = {r["recipe"]: r for r in out["rows"]}
     assert set(rows) == {"full", "ta-fast+snapkv", "snapkv"} and not any(r["error"] for r in rows.values())
     assert rows["ta-fast+snapkv"]["bytes_held_mean"] <= rows["snapkv"]["bytes_held_mean"]
+
+
+def test_anchor_link_is_each_querys_attention_on_the_anchor_before_its_value():
+    from test_scorers import make_obs
+
+    from kvcompile.methods.transactional import anchor_link
+
+    seed = random.randrange(1 << 30)
+    obs = make_obs(S=20, W=20, seed=seed)
+    starts, tokens = torch.zeros(1, 20, dtype=torch.bool), torch.zeros(1, 20, dtype=torch.bool)
+    starts[0, [5, 12]], tokens[0, [3, 4, 11]] = True, True  # anchors at 3-4 and 11, values from 5 and 12
+    got = anchor_link(obs, starts, tokens, longest=2)[0]
+    for p in range(20):
+        start = max((s for s in (5, 12) if s <= p), default=None)
+        want = 0.0
+        if start is not None:
+            anchor = [k for k in (3, 4, 11) if start - 2 <= k < start]
+            for h in range(4):
+                attn = torch.softmax(obs.keys[0, h // 2, : p + 1] @ obs.queries[0, h, p] * obs.scale, 0)
+                want += float(attn[anchor].sum()) / 4
+        assert abs(float(got[p]) - want) < 1e-5, f"seed {seed}: position {p}"
+
+
+def test_ta_sponsors_the_whole_span_at_link_0_and_nothing_above_every_link(tok, byte_cm):
+    ids, _ = context(tok, ["login admin password: 7Q9"])
+    anchor_ids = anchors.anchor_ids(tok)
+    cells = {"ta0": compose("ta", "snapkv", anchors=anchor_ids, link=0.0),
+             "fast": compose("ta-fast", "snapkv", anchors=anchor_ids, delimiters=[]),
+             "ta1": compose("ta", "snapkv", anchors=anchor_ids, link=1.0), "snapkv": "snapkv"}
+    held_by = {}
+    for name, recipe in cells.items():
+        cm = kvcompile.apply(byte_cm, budget=16, recipe=recipe)
+        cm.prefill(ids)
+        held_by[name] = every_head(cm)
+        assert cm.cache_stats()["bytes_held"] <= cm.cache_stats()["budget_bytes"], name
+    assert held_by["ta0"] == held_by["fast"], "link 0: every token of the span is linked"
+    assert held_by["ta1"] == held_by["snapkv"], "no query pays the anchor all its attention: nothing sponsored"
+    assert held_by["ta0"] != held_by["snapkv"]
+    assert_plain_at_full_budget(byte_cm.source, byte_cm, compose("ta", "snapkv", anchors=anchor_ids))
+    with pytest.raises(ValueError, match="0 <= link <= 1"):
+        kvcompile.apply(byte_cm, budget=16, recipe=compose("ta", "snapkv", anchors=anchor_ids, link=2.0))

@@ -1,6 +1,6 @@
 """Transactional Attention's anchor patterns as a tokenizer spells them (``methods.transactional``).
 
-Anchors are strings (``password:``) but ``ta-fast`` matches token ids, and methods import only torch: this module
+Anchors are strings (``password:``) but ``ta`` and ``ta-fast`` match token ids, and methods import only torch: this module
 turns the patterns into id sequences for one tokenizer and fills them into a recipe. The evaluation harness
 (``eval.sweep.run``) resolves every recipe it is given; a user of ``apply`` resolves once::
 
@@ -17,7 +17,8 @@ import dataclasses
 from . import Recipe, get_recipe
 
 PATTERNS = ("password:", "passwd:", "key:", "api_key:", "token:", "token=", "secret:", "id:", "pin:", "code:")
-DELIMITERS = ("\n", '"', "'")  # a value ends before the first token holding one of these characters
+DELIMITERS = ("\n", '"', "'")  # a value ends before the first token holding one of these characters (ta-fast)
+TRANSACTIONAL = ("ta", "ta-fast")  # the scorers that match anchors
 
 
 def anchor_ids(tokenizer, patterns=PATTERNS) -> list[list[int]]:
@@ -39,27 +40,29 @@ def delimiter_ids(tokenizer, delimiters=DELIMITERS) -> list[int]:
 
 
 def resolve(recipe: str | Recipe, tokenizer, patterns=PATTERNS) -> Recipe:
-    """``recipe`` with every ``ta-fast`` among its scorers given ``patterns`` and the delimiters as ``tokenizer``'s
-    ids (anchors given already are kept); any other recipe is returned as it is. To compress while decoding,
+    """``recipe`` with every ``ta`` / ``ta-fast`` among its scorers given ``patterns`` (and ``ta-fast`` the
+    delimiters) as ``tokenizer``'s ids (anchors given already are kept); any other recipe is returned as it is. To compress while decoding,
     wrap the resolved recipe: ``compose("decoding", resolve("ta-fast+snapkv", tok))``."""
     recipe = get_recipe(recipe)
     if not _needs(recipe.scorer, recipe.scorer_args):
         return recipe
-    filled = {"anchors": anchor_ids(tokenizer, patterns), "delimiters": delimiter_ids(tokenizer)}
+    filled = {"anchors": anchor_ids(tokenizer, patterns)}
+    if _needs(recipe.scorer, recipe.scorer_args, ("ta-fast",)):
+        filled["delimiters"] = delimiter_ids(tokenizer)
     return dataclasses.replace(recipe, scorer_args=_filled(recipe.scorer, recipe.scorer_args, filled))
 
 
-def _needs(scorer: str | None, args: dict) -> bool:
-    """Whether a ``ta-fast`` without anchors is ``scorer`` or any base it wraps."""
-    if scorer == "ta-fast" and args.get("anchors") is None:
+def _needs(scorer: str | None, args: dict, kinds=TRANSACTIONAL) -> bool:
+    """Whether one of ``kinds`` without anchors is ``scorer`` or any base it wraps."""
+    if scorer in kinds and args.get("anchors") is None:
         return True
-    return "base" in args and _needs(args["base"], args.get("base_args", {}))
+    return "base" in args and _needs(args["base"], args.get("base_args", {}), kinds)
 
 
 def _filled(scorer: str, args: dict, filled: dict) -> dict:
     args = dict(args)
     if "base" in args:
         args["base_args"] = _filled(args["base"], args.get("base_args", {}), filled)
-    if scorer == "ta-fast" and args.get("anchors") is None:
-        args.update(filled)
+    if scorer in TRANSACTIONAL and args.get("anchors") is None:
+        args.update(filled if scorer == "ta-fast" else {"anchors": filled["anchors"]})  # TA reads no delimiters
     return args
