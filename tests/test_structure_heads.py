@@ -39,7 +39,8 @@ def reference_outputs(obs, sinks, recent):
         k, v = obs.keys[0, h // G], obs.values[0, h // G]
         for w, qp in enumerate(obs.query_positions[0].tolist()):
             seen = [s for s in range(k.shape[0]) if obs.positions[0, h // G, s] <= qp]
-            local = [s for s in seen if obs.positions[0, h // G, s] < sinks or qp - obs.positions[0, h // G, s] < recent]
+            pos = obs.positions[0, h // G]
+            local = [s for s in seen if pos[s] < sinks or qp - pos[s] < recent]
             outputs = []
             for keep in (seen, local):
                 attn = torch.softmax(k[keep] @ obs.queries[0, h, w] * obs.scale, 0)

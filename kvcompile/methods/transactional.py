@@ -15,8 +15,8 @@ from .base import (
     ContextTokens, Observation, QueryWindow, Source, Wrapper, at_positions, descending_rank, register_scorer,
 )
 
-UNRESOLVED = ("ta and ta-fast match their anchors on token ids, which depend on the tokenizer: resolve the recipe first "
-              "with kvcompile.recipes.anchors.resolve(recipe, tokenizer), or give anchors= as id sequences")
+UNRESOLVED = ("ta and ta-fast match their anchors on token ids, which depend on the tokenizer: resolve the recipe "
+              "first with kvcompile.recipes.anchors.resolve(recipe, tokenizer), or give anchors= as id sequences")
 
 
 @dataclass
@@ -39,7 +39,8 @@ class Sponsoring(Wrapper):
         if self.anchors is None:
             raise ValueError(UNRESOLVED)
         if any(not seq or any(not isinstance(i, int) or i < 0 for i in seq) for seq in self.anchors):
-            raise ValueError(f"{self.name}: every anchor must be a non-empty sequence of token ids, got {self.anchors!r}")
+            raise ValueError(f"{self.name}: every anchor must be a non-empty sequence of token ids, got "
+                             f"{self.anchors!r}")
         if self.span < 1 or not 0.0 < self.share < 1.0:
             raise ValueError(f"{self.name}: need span >= 1 and 0 < share < 1, got span={self.span}, share={self.share}")
         super().__post_init__()

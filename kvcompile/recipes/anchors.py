@@ -1,7 +1,7 @@
 """Transactional Attention's anchor patterns as a tokenizer spells them (``methods.transactional``).
 
-Anchors are strings (``password:``) but ``ta`` and ``ta-fast`` match token ids, and methods import only torch: this module
-turns the patterns into id sequences for one tokenizer and fills them into a recipe. The evaluation harness
+Anchors are strings (``password:``) but ``ta`` and ``ta-fast`` match token ids, and methods import only torch:
+this module turns the patterns into id sequences for one tokenizer and fills them into a recipe. The evaluation harness
 (``eval.sweep.run``) resolves every recipe it is given; a user of ``apply`` resolves once::
 
     recipe = kvcompile.recipes.anchors.resolve("ta-fast+snapkv", tok)
@@ -41,8 +41,8 @@ def delimiter_ids(tokenizer, delimiters=DELIMITERS) -> list[int]:
 
 def resolve(recipe: str | Recipe, tokenizer, patterns=PATTERNS) -> Recipe:
     """``recipe`` with every ``ta`` / ``ta-fast`` among its scorers given ``patterns`` (and ``ta-fast`` the
-    delimiters) as ``tokenizer``'s ids (anchors given already are kept); any other recipe is returned as it is. To compress while decoding,
-    wrap the resolved recipe: ``compose("decoding", resolve("ta-fast+snapkv", tok))``."""
+    delimiters) as ``tokenizer``'s ids (anchors given already are kept); any other recipe is returned as it is.
+    To compress while decoding, wrap the resolved recipe: ``compose("decoding", resolve("ta-fast+snapkv", tok))``."""
     recipe = get_recipe(recipe)
     if not _needs(recipe.scorer, recipe.scorer_args):
         return recipe

@@ -184,7 +184,8 @@ _BUILTIN = [
                     "a per-prompt CV test until calibration.catekv.calibrate fills adaptive_heads"),
     # structure (METHODS §36, §37): heads judged local keep sinks + recent, the budget they leave goes to the others
     Recipe("simlayerkv", "simlayerkv", "fill-eligible",
-           {"tau": 0.9, "sinks": 4, "recent": 64, "last": 1, "base": "snapkv", "base_args": {"window": 32, "kernel": 7}},
+           {"tau": 0.9, "sinks": 4, "recent": 64, "last": 1,
+            "base": "snapkv", "base_args": {"window": 32, "kernel": 7}},
            source="https://arxiv.org/abs/2410.13846 (kvpress SimLayerKVPress)", provenance="peer",
            inferred="recent 64 for 1k contexts (kvpress: 1024), tau 0.9 (the paper's Llama-3 value); decided per "
                     "sequence, not averaged over the batch; under a budget the other layers rank by SnapKV and share "
