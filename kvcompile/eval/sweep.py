@@ -23,7 +23,8 @@ from tqdm import tqdm
 import kvcompile
 
 from ..budget import Budget
-from ..recipes import Recipe, get_recipe
+from .. import observation
+from ..recipes import Recipe, anchors, compose, get_recipe
 from ..model import CompressedModel
 from . import report
 from .decoding import greedy, ids_tensor, read_question
@@ -126,9 +127,12 @@ class Sweeper:
     the model."""
 
     def __init__(self, cm: CompressedModel, tokenizer, cells: list, *, length: int, seed: int, kl: bool, model: str):
+        cells = [(anchors.resolve(r, tokenizer), b) for r, b in cells]  # TA's anchors as this tokenizer's ids
         self.tokenizer, self.cells, self.length, self.seed, self.kl, self.model = tokenizer, cells, length, seed, kl, model
         widest = max(_observation_window(cm, r, b) for r, b in cells)
         shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps all
+        if any(_reads_ids(r) for r, _ in cells):  # a TA sponsoring nothing: the same, and it logs the token ids
+            shared = compose("ta-fast", shared, anchors=[])
         self.base = kvcompile.apply(cm, budget=1.0, recipe=shared)
 
     def keys(self, task: str, index: int) -> list[dict]:
@@ -213,6 +217,15 @@ def _observation_window(cm: CompressedModel, recipe, budget) -> int:
         return kvcompile.apply(cm, budget=budget, recipe=recipe).observation_window
     except ValueError:
         return 0
+
+
+def _reads_ids(recipe) -> bool:
+    """Whether a cell reads the context's token ids (``ContextTokens``); False for one that cannot be built."""
+    try:
+        scorer, _ = recipe.build()
+    except ValueError:
+        return False
+    return scorer is not None and observation.keeps_ids(scorer.sources())
 
 
 def _separate(base, cells, context, question, tokenizer, max_new_tokens, answers, timing) -> None:

@@ -163,6 +163,17 @@ def _passkey(rng: random.Random, n: int, depth: float | None = None) -> Sample:
     return Sample(context, question, (key,), answer_prefix="The pass key is")
 
 
+def _credential(rng: random.Random, n: int) -> Sample:
+    """A ``password: <8 characters>`` line at a random depth of an ``n``-line service log: a dormant credential
+    behind an anchor (Transactional Attention's case, METHODS §59), asked for after the log."""
+    secret, depth, start = "".join(rng.choices(string.ascii_letters + string.digits, k=8)), rng.random(), rng.random()
+    words, at = _words(), round(depth * n)
+    lines = [f"[{i:05d}] service {words[round(start * len(words) + 7 * i) % len(words)]} ok" for i in range(n)]
+    lines.insert(at, f"[{at:05d}] login admin password: {secret}")
+    return Sample("A server log follows.\n" + "\n".join(lines), "\nWhat is the admin password in the log?", (secret,),
+                  answer_prefix="The admin password is")
+
+
 # ---------------------------------------------------------------------------------------------- aggregation tasks
 def _variable_tracking(rng: random.Random, n: int, hops: int = 4) -> Sample:
     """RULER VT: a chain ``VAR A = 12345, VAR B = VAR A, ...`` of ``hops`` assignments in ``n`` filler lines;
@@ -236,6 +247,7 @@ TASKS: dict[str, Task] = {t.name: t for t in [
     Task("cwe", _common_words, 96),
     Task("fwe", _frequent_words, 32),
     Task("passkey", _passkey, 12),
+    Task("credential", _credential, 16),
 ]}
 
 

@@ -185,6 +185,21 @@ _BUILTIN = [
            provenance="official-code",
            inferred="consistent heads keep 0.25 of the uniform share, where the paper keeps adaptive heads full; "
                     "a per-prompt CV test until calibration.catekv.calibrate fills adaptive_heads"),
+    # structure (METHODS §36, §37): heads judged local keep sinks + recent, the budget they leave goes to the others
+    Recipe("simlayerkv", "simlayerkv", "fill-eligible",
+           {"tau": 0.9, "sinks": 4, "recent": 64, "last": 1,
+            "base": "snapkv", "base_args": {"window": 32, "kernel": 7}},
+           source="https://arxiv.org/abs/2410.13846 (kvpress SimLayerKVPress)", provenance="peer",
+           inferred="recent 64 for 1k contexts (kvpress: 1024), tau 0.9 (the paper's Llama-3 value); decided per "
+                    "sequence, not averaged over the batch; under a budget the other layers rank by SnapKV and share "
+                    "what lazy layers leave (kvpress keeps them whole); prefill only"),
+    Recipe("duoattention", "duoattention", "fill-eligible",
+           {"streaming": 0.5, "sinks": 4, "recent": 64, "base": "snapkv", "base_args": {"window": 32, "kernel": 7}},
+           source="https://arxiv.org/abs/2410.10819 (kvpress DuoAttentionPress; per-prompt head scores until "
+                  "calibration.duoattention.calibrate fills head_scores)", provenance="peer",
+           inferred="a head's score is its output error under the streaming mask on offline text, not a trained "
+                    "gate; sinks 4 and recent 64 for 1k contexts (paper: 128 and 256); half the heads stream; "
+                    "retrieval heads rank by SnapKV within the budget; prefill only"),
     # decode time (kvcompile.schedule): the budget caps the cache while generating; the prefill scorer acts only
     # when the prompt alone is over the cap (SnapKV with a window of one query = the last query's attention)
     Recipe("inertiakv", "snapkv", scorer_args={"window": 1, "kernel": 1},

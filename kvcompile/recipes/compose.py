@@ -28,6 +28,17 @@ _WRAPPERS = [  # (role, template)
     ("scorer", Recipe("composed", "composed", scorer_args={"keep": 0.5}, source="kvpress 0.5.5 ComposedPress",
                       provenance="peer", inferred="the budget sets the final count; the first scorer's share is "
                                                   "``keep`` (kvpress: the product of the presses' ratios)")),
+    ("scorer", Recipe("ta-fast", "ta-fast", scorer_args={"span": 16, "share": 0.25},
+                      source="https://arxiv.org/abs/2604.11288 (Transactional Attention, TA-Fast)",
+                      provenance="abstract",
+                      inferred="from the abstract: anchors as token-id sequences (recipes.anchors.resolve), a value "
+                               "of at most 16 tokens ending before a newline or quote, a 0.25 share of the budget "
+                               "spent in context order; the scores are the merged ranking, nothing pinned")),
+    ("scorer", Recipe("ta", "ta", scorer_args={"span": 16, "share": 0.25, "link": 0.02, "window": 8192},
+                      source="https://arxiv.org/abs/2604.11288 (Transactional Attention, TA)", provenance="abstract",
+                      inferred="from the abstract: as ta-fast, but a value ends where its own queries pay the anchor "
+                               "less than 0.02 of their attention (the paper's rule is not in the abstract); reads "
+                               "the last 8192 prompt queries")),
     ("allocator", Recipe("adakv", "snapkv", "adakv", allocator_args={"alpha_safeguard": 0.2},
                          source="https://arxiv.org/abs/2407.11550 (kvpress AdaKVPress around any scorer)",
                          provenance="peer")),
