@@ -160,22 +160,27 @@ def test_decode_inside_triton_op(seed):
                                msg=lambda m: f"{m}\nseed={seed}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 16])
-def test_decode_weighted_entries(seed, window):
+def test_decode_weighted_entries(seed, window, dtype):
     """An entry of log-weight log n decodes as n tokens with its key (the kernel over merged entries against the
-    reference over the repeated ones), and random log-weights give what the reference gives."""
+    reference over the repeated ones, both over the same dtype-rounded rows, the reference in fp32), and random
+    log-weights give what the reference gives."""
     merged, repeated = merged_and_repeated(B=2, Hkv=2, D=16, P=4, seed=seed, device=DEVICE)
     k, v, pos, lw, table, lengths = merged
-    q = torch.randn(2, 4, 1, 16, device=DEVICE)
+    q = torch.randn(2, 4, 1, 16, device=DEVICE).to(dtype)
     q_pos = torch.full((2, 1), 45 if window == 0 else 35, device=DEVICE)
-    msg = lambda m: f"{m}\nseed={seed} window={window}"  # noqa: E731
-    got = paged_decode(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw, max_splits=2)
-    want = reference.paged_attention(q, q_pos, *repeated[:3], *repeated[4:], 0.3, window)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=msg)
+    rounded = lambda *pools: [x.to(dtype).float() for x in pools]  # noqa: E731
+    tol, msg = TOL[dtype], lambda m: f"{m}\nseed={seed} window={window} dtype={dtype}"  # noqa: E731
+    args = (k.to(dtype), v.to(dtype), pos, table, lengths, 0.3, window)
+    got = paged_decode(q, q_pos, *args, log_weights=lw, max_splits=2)
+    want = reference.paged_attention(q.float(), q_pos, *rounded(*repeated[:2]), *repeated[2:3], *repeated[4:], 0.3,
+                                     window)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=msg)
     lw = torch.randn_like(lw) * 2
-    got = paged_decode(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw, max_splits=2)
-    want = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, window, log_weights=lw)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=msg)
+    got = paged_decode(q, q_pos, *args, log_weights=lw, max_splits=2)
+    want = reference.paged_attention(q.float(), q_pos, *rounded(k, v), pos, table, lengths, 0.3, window, log_weights=lw)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol, msg=msg)
 
 
 def keep_sets(lengths: torch.Tensor, K: int):

@@ -43,6 +43,19 @@ def test_an_entry_of_log_weight_log_n_attends_as_n_tokens(seed, T, window):
     torch.testing.assert_close(ones, unweighted, atol=1e-6, rtol=1e-6, msg=lambda m: f"weight 1: {m}\nseed={seed}")
 
 
+@pytest.mark.parametrize("T", [1, 3], ids=["decode", "prefill"])
+def test_log_weights_stay_fp32_in_a_bf16_model(seed, T):
+    """Over bf16 pages, reference attention adds the log-weights in fp32: large ones are not rounded to bf16's
+    spacing (1/16 at 8), which would misstate an entry's mass by several percent."""
+    (k, v, pos, lw, table, lengths), _ = merged_and_repeated(seed=seed)
+    lw = lw + torch.rand_like(lw) * 8
+    q, q_pos = torch.randn(2, 4, T, 16).bfloat16(), torch.full((2, T), 45)
+    k, v = k.bfloat16(), v.bfloat16()
+    got = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.3, log_weights=lw)
+    want = reference.paged_attention(q.float(), q_pos, k.float(), v.float(), pos, table, lengths, 0.3, log_weights=lw)
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2, msg=lambda m: f"{m}\nseed={seed}")
+
+
 def test_scorers_see_an_entry_of_weight_n_draw_the_attention_of_n_tokens(seed):
     """``Observation.window_attention`` (what the scorers read) over a weighted entry equals the attention its
     repeated tokens draw together, and leaves the other entries' attention as it was."""

@@ -143,10 +143,10 @@ def paged_attention(
             dq = q_pos.long()[:, None, :]
             visible = valid & (k_pos <= dq) & (dq - k_pos < window)
         scores = torch.matmul(q.view(B, Hkv, G, D), keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
-        if weighted:
-            scores = scores + weights[:, :, None].to(scores.dtype)
+        if weighted:  # in fp32: a log-weight rounded to a 16-bit float would misstate the entry's mass
+            scores = scores.float() + weights[:, :, None]
         probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
-        return torch.matmul(probs, values).view(B, Hq, 1, D)
+        return torch.matmul(probs.to(values.dtype), values).view(B, Hq, 1, D)
     if window == 0 and _fresh_causal(q_pos, k_pos, lengths, T):  # first prefill, no padding: plain causal
         return torch.nn.functional.scaled_dot_product_attention(
             q, keys[:, :, :T], values[:, :, :T], is_causal=True, scale=scale, enable_gqa=G > 1
@@ -162,14 +162,13 @@ def paged_attention(
         # heads that hold the same tokens share one mask (broadcast); otherwise one mask per query head
         shared = not weighted and bool((visible == visible[:, :1]).all())
         visible = visible[:, :1] if shared else visible.repeat_interleave(G, 1)
-        mask = visible
-        if weighted:  # a float mask: each entry's log-weight added to its logit
-            bias = weights.repeat_interleave(G, 1)[:, :, None, :].to(q.dtype)
-            mask = torch.where(visible, bias, float("-inf"))
+        mask, qb = visible, q[:, :, t0 : t0 + step]
+        if weighted:  # a float mask, in fp32 as in decode: each entry's log-weight added to its logit
+            mask, qb = torch.where(visible, weights.repeat_interleave(G, 1)[:, :, None, :], float("-inf")), qb.float()
         o = torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, t0 : t0 + step], keys, values, attn_mask=mask, scale=scale, enable_gqa=G > 1
+            qb, keys.to(qb.dtype), values.to(qb.dtype), attn_mask=mask, scale=scale, enable_gqa=G > 1
         )
-        out.append(o.nan_to_num(0.0) * visible.any(-1, keepdim=True))
+        out.append((o.nan_to_num(0.0) * visible.any(-1, keepdim=True)).to(q.dtype))
     return torch.cat(out, 2)
 
 
