@@ -105,11 +105,12 @@ STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_t
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
-             precise_recent: int = 0) -> None:
+             precise_recent: int = 0, apart: int = 0) -> None:
     """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place; with a page
     format, store what is kept in it (every token, unscored, when they all fit), except the ``precise_recent``
     newest tokens, which stay in the model's dtype: kept first, their dtype bytes out of the budget, the rest of
-    which the scorer's tokens share at the format's cost."""
+    which the scorer's tokens share at the format's cost. The ``apart`` newest tokens (model dtype only) are no
+    candidates: kept as they are, on top of ``budget_bytes`` (``CompressedModel.compress(keep_last=...)``)."""
     held = cache.held().long()
     recent = cache.newest(precise_recent)
     n_recent = recent.sum(-1)
@@ -126,19 +127,25 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
         cache.demote(precise_recent)
         return
     scores, stats = score_all(cache, scorer, layers, allocator)
+    aside = _padded(cache.newest(apart), scores.shape[-1])
+    scores = scores.masked_fill(aside, float("-inf"))
     if precise_recent:  # the window is kept apart: the scored tokens compete for what it leaves of the budget
-        window = F.pad(recent, (0, max(scores.shape[-1] - recent.shape[-1], 0)))[..., : scores.shape[-1]]
+        window = _padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes
     plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers)
+    if apart:
+        plan = Plan.of_mask(plan.mask(scores.shape[-1]) | aside)
     if cache.page_format is not None:
         formats = torch.full_like(plan.keep, STORED_FORMAT)
         if precise_recent:
-            live = (torch.arange(plan.keep.shape[-1], device=cache.device) < plan.counts[..., None]).long()
-            kept = torch.zeros(window.shape, dtype=torch.long, device=cache.device)
-            index = plan.keep.clamp_max(window.shape[-1] - 1)  # past counts: padding, never live
-            plan = Plan.of_mask(kept.scatter_reduce(-1, index, live, "amax").bool() | window)
+            plan = Plan.of_mask(plan.mask(window.shape[-1]) | window)
             formats = torch.where(window.gather(-1, plan.keep.clamp_max(window.shape[-1] - 1)), DTYPE_FORMAT,
                                   STORED_FORMAT)
         plan = dataclasses.replace(plan, formats=formats)
     cache.keep(plan)
+
+
+def _padded(mask: Tensor, S: int) -> Tensor:
+    """A [..., S'] mask of held entries cut or padded (False) to S entries."""
+    return F.pad(mask, (0, max(S - mask.shape[-1], 0)))[..., :S]

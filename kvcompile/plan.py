@@ -59,6 +59,12 @@ class Plan:
         """[L, B, Hkv] entries each head holds once the plan is applied."""
         return self.counts if self.new is None else self.counts + self.new.counts.to(self.counts.dtype)
 
+    def mask(self, S: int) -> Tensor:
+        """[L, B, Hkv, S] True at the entries the plan keeps (its new entries left out)."""
+        live = (torch.arange(self.keep.shape[-1], device=self.keep.device) < self.counts[..., None]).long()
+        kept = torch.zeros(*self.keep.shape[:-1], S, dtype=torch.long, device=self.keep.device)
+        return kept.scatter_reduce(-1, self.keep.clamp_max(S - 1), live, "amax").bool()  # past counts: never live
+
     @classmethod
     def of_mask(cls, kept: Tensor, **fields) -> "Plan":
         """The plan that keeps the ``kept`` [L, B, Hkv, S] entries."""

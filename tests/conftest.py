@@ -103,3 +103,11 @@ def llama_cm(llama):
     import kvcompile
 
     return kvcompile.apply(llama, budget=1.0, recipe="full")
+
+
+@pytest.fixture(scope="session")
+def byte_full():
+    """``byte_llama`` captured once (full budget, pages of 4): the analyses' tests derive every cell from it."""
+    import kvcompile
+
+    return kvcompile.apply(byte_llama(), budget=1.0, recipe="full", page_size=4)

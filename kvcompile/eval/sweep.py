@@ -26,7 +26,7 @@ from ..budget import Budget
 from ..recipes import Recipe, get_recipe
 from ..model import CompressedModel
 from . import report
-from .decoding import greedy, ids_tensor, read_question
+from .decoding import answer, encode, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
 from .store import VALUES, Store, cell_keys
 from .synthetic import get_task, make_sample
@@ -41,16 +41,6 @@ def parse_budget(text: str) -> float | int | str:
         return float(text)
     except ValueError:
         return text
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _answer(cm: CompressedModel, tokenizer, question: list[int], max_new_tokens: int) -> list[int]:
-    ids = (tokenizer.eos_token_id, getattr(cm.generation_config, "eos_token_id", None))
-    eos = {t for t in ids if isinstance(t, int)}
-    return greedy(cm, read_question(cm, question), max_new_tokens, eos_ids=eos)
 
 
 def run(
@@ -127,9 +117,7 @@ class Sweeper:
 
     def __init__(self, cm: CompressedModel, tokenizer, cells: list, *, length: int, seed: int, kl: bool, model: str):
         self.tokenizer, self.cells, self.length, self.seed, self.kl, self.model = tokenizer, cells, length, seed, kl, model
-        widest = max(_observation_window(cm, r, b) for r, b in cells)
-        shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps all
-        self.base = kvcompile.apply(cm, budget=1.0, recipe=shared)
+        self.base = shared_base(cm, cells)
 
     def keys(self, task: str, index: int) -> list[dict]:
         """The store key of every cell on context ``index`` of ``task``."""
@@ -142,7 +130,7 @@ class Sweeper:
         and ``cells_s``."""
         task = get_task(task_name)
         sample = make_sample(task, self.tokenizer, self.length, seed=self.seed, index=index)
-        context, question = (_encode(self.tokenizer, t) for t in sample.prompt(self.tokenizer))
+        context, question = (encode(self.tokenizer, t) for t in sample.prompt(self.tokenizer))
         t0 = time.perf_counter()
         self.base.reset()
         with torch.no_grad():
@@ -158,6 +146,14 @@ class Sweeper:
                 rows.append(dict.fromkeys(VALUES) | key | row)
         return {"rows": rows, "answers": answers, "context": context, "question": question, "prefill_s": prefill_s,
                 "cells_s": time.perf_counter() - t0}
+
+
+def shared_base(cm: CompressedModel, cells: list) -> CompressedModel:
+    """A full-budget model of ``cm`` that keeps, when it prefills with ``compress=False``, the queries of the widest
+    observation window any of the (recipe, budget) ``cells`` reads, so each cell can fork it and compress."""
+    widest = max(_observation_window(cm, r, b) for r, b in cells)
+    shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps all
+    return kvcompile.apply(cm, budget=1.0, recipe=shared)
 
 
 def new_timing() -> dict:
@@ -191,7 +187,7 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
         model.compress()
         stats = model.cache_stats()
         probe = model.fork() if kl else None
-        tokens = _answer(model, tokenizer, question, max_new_tokens)
+        tokens = answer(model, tokenizer, read_question(model, question), max_new_tokens)
         row = {"wall_s": time.perf_counter() - t0, "tokens": tokens, "query_aware": False,  # question read after
                "score": sample.score(tokenizer.decode(tokens, skip_special_tokens=True)),
                "bytes_held": stats["bytes_held"], "bytes_allocated": stats["bytes_allocated"],
@@ -227,7 +223,7 @@ def _separate(base, cells, context, question, tokenizer, max_new_tokens, answers
         t0 = time.perf_counter()
         with torch.no_grad():
             model.prefill(ids_tensor(context, model.device), logits="last")
-        tokens = _answer(model, tokenizer, question, max_new_tokens)
+        tokens = answer(model, tokenizer, read_question(model, question), max_new_tokens)
         cell_times += time.perf_counter() - t0
         timing["separate_mismatches"] += int(tokens != answers.get((recipe.name, str(budget))))
     timing["separate_s"] += cell_times
