@@ -25,7 +25,7 @@ from ..decoding import answer, ids_tensor, read_question
 from ..sweep import grid, shared_base
 from . import masked, tables
 
-LAYOUTS = ("mask", "ragged", "rectangular")
+LAYOUTS = ("ragged", "mask", "rectangular")  # the mask layout masks the ragged one's selection
 PAPER = "enforcing the nominal budget on one fixed (rectangular) selection costs 14-62 points (arXiv 2608.25230)"
 
 
@@ -49,20 +49,26 @@ def sample_rows(base: CompressedModel, plain, cells: list, context: list[int],
     is the plain model's cache of it."""
     rows, q = [], ids_tensor(question, base.device)
     for recipe, budget in cells:
+        ragged = None  # the ragged layout's compressed model: the mask layout reads its selection
         for layout in ("ragged",) if budget.is_full else LAYOUTS:
             t0 = time.perf_counter()
             row = {"recipe": recipe.tag, "budget": str(budget), "layout": layout}
             try:
-                model = base.fork(rectangular(recipe) if layout == "rectangular" else recipe, budget)
-                model.compress()
-                stats = model.cache_stats()  # the document's, before the question is read
-                held = {"mask": stats["bytes_full"], "ragged": stats["bytes_held"]}.get(layout) or \
-                    padded_bytes(model, stats)
                 if layout == "mask":
-                    reader = masked.MaskedModel(base.source, masked.kept(model.held_positions(), len(context)), plain)
+                    if ragged is None:
+                        raise RuntimeError("the ragged layout failed: no selection to mask")
+                    stats, held = ragged_stats, ragged_stats["bytes_full"]
+                    reader = masked.MaskedModel(base.source, selection, plain)
                     with masked.masking(base.source):
                         tokens = answer(reader, tokenizer, reader.prefill(q)[0, -1], max_new_tokens)
                 else:
+                    model = base.fork(rectangular(recipe) if layout == "rectangular" else recipe, budget)
+                    model.compress()
+                    stats = model.cache_stats()  # the document's, before the question is read
+                    held = stats["bytes_held"] if layout == "ragged" else padded_bytes(model, stats)
+                    if layout == "ragged":
+                        ragged, ragged_stats = model, stats
+                        selection = masked.kept(model.held_positions(), len(context))
                     tokens = answer(model, tokenizer, read_question(model, question), max_new_tokens)
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                 row.update(bytes_held=held, budget_bytes=stats["budget_bytes"], bytes_full=stats["bytes_full"],
