@@ -30,6 +30,7 @@ from .decoding import answer, encode, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
 from .store import VALUES, Store, cell_keys
 from .synthetic import get_task, make_sample
+from .uor import held_uor
 
 
 def parse_budget(text: str) -> float | int | str:
@@ -184,14 +185,18 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
     t0 = time.perf_counter()
     try:
         model = base.fork(recipe, budget)
+        unions = model.fork() if recipe.scorer and not budget.is_full else None  # uncompressed, for the UOR
         model.compress()
         stats = model.cache_stats()
+        share = stats["tokens_held"] / (int(model.seen.sum()) * model.spec.num_layers * model.spec.num_kv_heads)
         probe = model.fork() if kl else None
         tokens = answer(model, tokenizer, read_question(model, question), max_new_tokens)
         row = {"wall_s": time.perf_counter() - t0, "tokens": tokens, "query_aware": False,  # question read after
                "score": sample.score(tokenizer.decode(tokens, skip_special_tokens=True)),
                "bytes_held": stats["bytes_held"], "bytes_allocated": stats["bytes_allocated"],
                "bytes_full": stats["bytes_full"]}
+        if unions is not None:  # at the share of the context's tokens the cell kept (not timed)
+            row["uor"] = held_uor(unions, share)[0]
         ids = reference.setdefault("ids", question + tokens)
         if kl:
             with torch.no_grad():
@@ -235,8 +240,8 @@ def markdown(result: dict, model: str = "") -> str:
     cfg, t = result["config"], result["timing"]
     lines = [f"{model} @ {cfg['length']} tokens, {cfg['n_samples']} samples per task, seed {cfg['seed']}, "
              "query-agnostic (context compressed before the question is read). Bytes: K/V pages held per request "
-             "after compressing the context; wall: seconds per cell (compress + answer, all samples), the shared "
-             "prefill excluded.", "", *report.table(result["rows"])]
+             "after compressing the context; UOR: the scorer's union-overhead ratio at the share it kept; wall: "
+             "seconds per cell (compress + answer, all samples), the shared prefill excluded.", "", *report.table(result["rows"])]
     lines += ["", f"Shared prefill: {t['shared_prefill_s']:.1f} s for {t['contexts']} contexts, cells "
               f"{t['cells_s']:.1f} s."]
     if t.get("separate_contexts"):
