@@ -10,7 +10,7 @@ import torch
 from conftest import byte_tokenizer
 
 import kvcompile
-from kvcompile.eval.analysis import queryleak
+from kvcompile.eval.analysis import nominal, queryleak
 from kvcompile.eval.decoding import answer
 from kvcompile.eval.sweep import grid, shared_base
 
@@ -110,3 +110,14 @@ def test_run_writes_every_condition_with_bytes(full, tmp_path):
     assert {r["condition"] for r in result["samples"] if r["recipe"] == "snapkv@1"} == set(queryleak.CONDITIONS)
     text = queryleak.markdown(result, "byte-llama", "kvcompile analyze queryleak")
     assert "| passkey | snapkv@1 | 0.25 | 1 |" in text
+
+
+@pytest.mark.parametrize("run", [queryleak.run, nominal.run])
+@pytest.mark.parametrize("bad, match", [({"recipes": ["nope"]}, "unknown recipe 'nope'"),
+                                        ({"tasks": ["nope"]}, "unknown task 'nope'"),
+                                        ({"n_samples": 0}, "n_samples must be a positive int")])
+def test_analyses_refuse_bad_input_naming_it(full, run, bad, match):
+    args = {"recipes": ["snapkv"], "budgets": [0.25], "tasks": ["passkey"], "n_samples": 1} | bad
+    with pytest.raises(ValueError, match=match):
+        run(full, byte_tokenizer(), args.pop("recipes"), args.pop("budgets"), args.pop("tasks"), **args,
+            progress=False)

@@ -43,6 +43,7 @@ def padded_bytes(model: CompressedModel, stats: dict) -> int:
     return longest * stats["bytes_full"] // int(model.seen.sum())  # bytes_full: every token in every head
 
 
+@torch.no_grad()
 def sample_rows(base: CompressedModel, plain, cells: list, context: list[int],
                 question: list[int], score, tokenizer, max_new_tokens: int) -> list[dict]:
     """Every cell in every layout on one sample; ``base`` holds the document uncompressed and observed, ``plain``
@@ -89,6 +90,7 @@ def run(cm: CompressedModel, tokenizer, recipes: list, budgets: list, tasks: lis
     if cm.source is None:
         raise ValueError("the mask layout runs the plain model: pass a CompressedModel applied to one (not loaded)")
     start, cells = time.perf_counter(), grid(recipes, budgets)
+    tables.check(tasks, n_samples)
     base, samples = shared_base(cm, cells), []
     for name, index, sample, context, question, max_new in tables.samples(tokenizer, tasks, n_samples, length, seed,
                                                                           "nominal vs enforced", progress):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from ...model import CompressedModel
 from ..decoding import answer, ids_tensor, read_question
 from ..sweep import grid, shared_base
@@ -52,6 +53,7 @@ def question_kept(model: CompressedModel, start: int) -> float:
     return float((pos >= start).sum()) / (asked * pos.shape[0] * pos.shape[1])
 
 
+@torch.no_grad()
 def sample_rows(base: CompressedModel, cells: list, context: list[int], question: list[int], score, tokenizer,
                 max_new_tokens: int) -> list[dict]:
     """Every cell under every condition on one sample (the full cell once: its conditions coincide)."""
@@ -82,6 +84,7 @@ def run(cm: CompressedModel, tokenizer, recipes: list, budgets: list, tasks: lis
     """Every (recipe, budget) under the three conditions on ``n_samples`` samples of each task; returns
     ``{"samples": [per (sample, cell, condition)], "summary": [...], "decomposition": [...], "config", "timing"}``."""
     start, cells = time.perf_counter(), grid(recipes, budgets)
+    tables.check(tasks, n_samples)
     base, samples = shared_base(cm, cells), []
     for name, index, sample, context, question, max_new in tables.samples(tokenizer, tasks, n_samples, length, seed,
                                                                           "query leak", progress):

@@ -12,6 +12,16 @@ from ..decoding import encode
 from ..synthetic import get_task, make_sample
 
 
+def check(tasks: list[str], n_samples: int) -> None:
+    """Refuse, naming it, an unknown task or a sample count that is not a positive int, before any model runs."""
+    for name in tasks:
+        get_task(name)
+    if not tasks:
+        raise ValueError("no tasks given; name at least one, e.g. passkey")
+    if not isinstance(n_samples, int) or isinstance(n_samples, bool) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+
+
 def samples(tokenizer, tasks: list[str], n_samples: int, length: int, seed: int, desc: str, progress: bool = True):
     """Each (task name, sample index, sample, context ids, question ids, answer length) of the needle tasks, with
     a progress bar."""
