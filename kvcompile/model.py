@@ -18,12 +18,12 @@ from . import checks, observation, rerotation
 from .budget import Budget
 from .cache import PagedKVCache
 from .compress import compress as compress_cache
+from .forking import Forking
 from .generation import generate_tokens
 from .programs import Programs
 from .recipes import Recipe
 from .schedule import DecodeCompressor, DecodeSchedule
 from .spec import ModelSpec
-from .forking import Forking
 from .steps import Steps
 
 
