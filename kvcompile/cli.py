@@ -104,12 +104,13 @@ def _eval(args) -> int:
     out = args.out or (None if store else "bench/results/sweep")
     for path in sweep.write(result, out, model=args.model) if out else []:
         print(f"wrote {path}", file=sys.stderr)
-    print(f"{'task':<18}{'recipe':<14}{'budget':>8}{'score':>7}{'held MiB':>10}{'wall s':>8}{'KL':>8}{'top1':>6}  error")
+    print(f"{'task':<18}{'recipe':<14}{'budget':>8}{'score':>7}{'held MiB':>10}{'UOR':>6}{'wall s':>8}{'KL':>8}{'top1':>6}"
+          "  error")
     for r in result["rows"]:
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
         held = r["bytes_held_mean"] / 2**20 if r["bytes_held_mean"] is not None else None
         print(f"{r['task']:<18}{r['recipe']:<14}{r['budget']:>8}{fmt(r['score'], '.2f'):>7}{fmt(held, '.2f'):>10}"
-              f"{r['wall_s']:>8.1f}{fmt(r['kl_mean'], '.3f'):>8}{fmt(r['top1'], '.2f'):>6}  {r['error'] or ''}")
+              f"{fmt(r['uor'], '.2f'):>6}{r['wall_s']:>8.1f}{fmt(r['kl_mean'], '.3f'):>8}{fmt(r['top1'], '.2f'):>6}  {r['error'] or ''}")
     t = result["timing"]
     if "shared_over_separate" in t:
         print(f"shared prefill vs separate runs over {t['separate_contexts']} contexts: {t['separate_shared_s']:.1f} s vs "
