@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .kernels.formats import get_format
+from .methods.sources import Reconstruction
 
 
 def positive_int(name: str, value, *, allow_none: bool = False) -> None:
@@ -123,3 +124,16 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
         raise ValueError(f"recipe {recipe.name!r} stores every token in {recipe.format} pages, {share:.3f} of the "
                          f"model dtype's bytes, above budget={budget}; add a scorer that evicts "
                          f"('snapkv+{recipe.format}') or raise the budget")
+
+
+def keep_last(n, seen: int, recipe, scorer, allocator) -> None:
+    """``compress(keep_last=n)``: refuse, naming it, a count that is not an int in [0, tokens read), or a recipe
+    whose compression this does not support (a page format, an allocator that is not per token, a reconstruction)."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < seen:
+        raise ValueError(f"keep_last must be an int in [0, {seen}) (tokens read), got {n!r}")
+    reconstructs = scorer is not None and any(isinstance(s, Reconstruction) for s in scorer.sources())
+    unsupported = {"a page format": recipe.format, "an allocator of pages or summaries": allocator.strategy != "tokens",
+                   "a reconstruction pass": reconstructs}
+    for what, used in unsupported.items():
+        if n and used:
+            raise NotImplementedError(f"recipe {recipe.name!r}: compress(keep_last=...) does not support {what} yet")

@@ -8,6 +8,7 @@ results store that a rerun resumes); ``--executor ray`` runs its contexts on Ray
 ``kvcompile lm-eval ...``: lm-eval's own command line with the ``kvcompile`` model and the ``kvc_*`` tasks.
 ``kvcompile recipes``: the built-in recipes as a table: name@version, provenance, what is inferred, source.
 ``kvcompile analyze ceiling``: how far the best kept subset beats top-mass on a real model's attention rows (§48).
+``kvcompile analyze queryleak``: one method and budget with the question visible, restricted, or after compression.
 """
 
 from __future__ import annotations
@@ -104,12 +105,13 @@ def _eval(args) -> int:
     out = args.out or (None if store else "bench/results/sweep")
     for path in sweep.write(result, out, model=args.model) if out else []:
         print(f"wrote {path}", file=sys.stderr)
-    print(f"{'task':<18}{'recipe':<14}{'budget':>8}{'score':>7}{'held MiB':>10}{'wall s':>8}{'KL':>8}{'top1':>6}  error")
+    print(f"{'task':<18}{'recipe':<14}{'budget':>8}{'score':>7}{'held MiB':>10}{'UOR':>6}{'wall s':>8}{'KL':>8}{'top1':>6}"
+          "  error")
     for r in result["rows"]:
         fmt = lambda v, spec: format(v, spec) if v is not None else "-"  # noqa: E731
         held = r["bytes_held_mean"] / 2**20 if r["bytes_held_mean"] is not None else None
         print(f"{r['task']:<18}{r['recipe']:<14}{r['budget']:>8}{fmt(r['score'], '.2f'):>7}{fmt(held, '.2f'):>10}"
-              f"{r['wall_s']:>8.1f}{fmt(r['kl_mean'], '.3f'):>8}{fmt(r['top1'], '.2f'):>6}  {r['error'] or ''}")
+              f"{fmt(r['uor'], '.2f'):>6}{r['wall_s']:>8.1f}{fmt(r['kl_mean'], '.3f'):>8}{fmt(r['top1'], '.2f'):>6}  {r['error'] or ''}")
     t = result["timing"]
     if "shared_over_separate" in t:
         print(f"shared prefill vs separate runs over {t['separate_contexts']} contexts: {t['separate_shared_s']:.1f} s vs "
@@ -180,16 +182,9 @@ def _fidelity(args) -> int:
 
 
 def _analyze(args) -> int:
-    from kvcompile.eval.analysis import ceiling_report
+    from kvcompile.eval.analysis import commands
 
-    cm, tok = _load(args.model)
-    result = ceiling_report.run(cm, tok, rows=args.rows, contexts=args.contexts, length=args.length,
-                                window=args.window, budgets=[int(b) for b in _csv(args.budgets)],
-                                max_swaps=args.max_swaps, seed=args.seed)
-    for path in ceiling_report.write(result, args.out, args.model, "kvcompile " + " ".join(args.argv)):
-        print(f"wrote {path}", file=sys.stderr)
-    print(ceiling_report.markdown(result, args.model, "kvcompile " + " ".join(args.argv)))
-    return 0
+    return commands.run(args, _load)
 
 
 def _recipes(args) -> int:
@@ -260,17 +255,9 @@ def main(argv=None) -> int:
                    "and tasks registered")
     sub.add_parser("recipes", help="list the built-in recipes: name@version, provenance, what is inferred, source")
     an = sub.add_parser("analyze", help="analysis tools of the field (kvcompile.eval.analysis)")
-    ce = an.add_subparsers(dest="analysis", required=True).add_parser(
-        "ceiling", help="top-mass vs the exact best subset, balancing selector and certificate on attention rows")
-    ce.add_argument("--model", default="smollm2-135m")
-    ce.add_argument("--rows", type=int, default=480, help="attention rows, spread over contexts and layers")
-    ce.add_argument("--contexts", type=int, default=2, help="prose windows (pydoc_data, offline)")
-    ce.add_argument("--length", type=int, default=1024, help="tokens per window")
-    ce.add_argument("--window", type=int, default=64, help="rows come from the last this many queries")
-    ce.add_argument("--budgets", default="4,8,16,32,64,128,256", help="kept keys s, comma-separated")
-    ce.add_argument("--max-swaps", type=int, default=16, help="swap-search limit of the balancing selector")
-    ce.add_argument("--seed", type=int, default=0)
-    ce.add_argument("--out", default="bench/results/ceiling", help="output path without extension")
+    from kvcompile.eval.analysis.commands import add_parsers
+
+    add_parsers(an.add_subparsers(dest="analysis", required=True))
     args = parser.parse_args(argv)
     args.argv = argv
     commands = {"demo": _demo, "eval": _eval, "fidelity": _fidelity, "recipes": _recipes, "report": _report,

@@ -107,12 +107,14 @@ WEIGHTED_STRATEGIES = frozenset({"tail-summary"})  # strategies whose plans writ
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
-             recipe) -> None:
+             recipe, apart: int = 0) -> None:
     """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place, as
     ``recipe`` asks; with a page format, store what is kept in it (every token, unscored, when they all fit),
     except the ``recipe.precise_recent`` newest tokens, which stay in the model's dtype: kept first, their dtype
     bytes out of the budget, the rest of which the scorer's tokens share at the format's cost. With
-    ``recipe.merge``, evicted values are folded into kept ones first (``merge_evicted``)."""
+    ``recipe.merge``, evicted values are folded into kept ones first (``merge_evicted``). The ``apart`` newest
+    tokens (model dtype only) are no candidates: kept as they are, on top of ``budget_bytes``
+    (``CompressedModel.compress(keep_last=...)``)."""
     precise_recent = recipe.precise_recent
     held = cache.held().long()
     recent = cache.newest(precise_recent)
@@ -130,11 +132,15 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
         cache.demote(precise_recent)
         return
     scores, stats = score_all(cache, scorer, layers, allocator)
+    aside = _padded(cache.newest(apart), scores.shape[-1])
+    scores = scores.masked_fill(aside, float("-inf"))
     if precise_recent:  # the window is kept apart: the scored tokens compete for what it leaves of the budget
-        window = F.pad(recent, (0, max(scores.shape[-1] - recent.shape[-1], 0)))[..., : scores.shape[-1]]
+        window = _padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes
     plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers)
+    if apart:
+        plan = Plan.of_mask(plan.kept(scores.shape[-1]) | aside)
     if cache.page_format is not None:
         formats = torch.full_like(plan.keep, STORED_FORMAT)
         if precise_recent:

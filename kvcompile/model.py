@@ -9,7 +9,6 @@ decoding, a recipe's ``schedule.DecodeCompressor`` keeps the cache under the bud
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 
 import torch
@@ -19,16 +18,17 @@ from . import checks, observation, rerotation
 from .budget import Budget
 from .cache import PagedKVCache
 from .compress import WEIGHTED_STRATEGIES, compress as compress_cache
+from .forking import Forking
 from .generation import generate_tokens
 from .programs import Programs
-from .recipes import Recipe, get_recipe
+from .recipes import Recipe
 from .schedule import DecodeCompressor, DecodeSchedule
 from .spec import ModelSpec
 from .speculative import Speculation
 from .steps import Steps
 
 
-class CompressedModel(Steps, Speculation, nn.Module):
+class CompressedModel(Steps, Speculation, Forking, nn.Module):
     """A causal LM over a compressed, ragged per-head paged KV cache. Build it with ``kvcompile.apply``.
 
     Positions keep counting the original sequence after eviction; keys are stored after RoPE. The budget applies
@@ -183,19 +183,29 @@ class CompressedModel(Steps, Speculation, nn.Module):
         self.decoder = None  # a new turn: the decode schedule starts again at the next decode step
         return torch.cat(outs, 1) if logits == "all" else outs[-1]
 
-    def compress(self) -> None:
+    def compress(self, *, keep_last: int = 0) -> None:
         """Compress the cache to the budget now, measured against every token read so far (what ``fork`` cells
-        call after a shared ``prefill(..., compress=False)``)."""
+        call after a shared ``prefill(..., compress=False)``). ``keep_last``: each row's newest that many tokens (a
+        question read before compressing) are kept as they are, on top of a budget measured against the tokens
+        before them, which alone compete; the scorer still reads their queries."""
         if self.seen is None:
             raise RuntimeError("the cache is empty: call prefill first")
         self._refuse_without_question()
+        checks.keep_last(keep_last, int(self.seen.min()), self.recipe, self.scorer, self.allocator)
         with self._changing():
-            self.context_tokens = self.cache.seen.clone()
-            self._compress()
+            self.context_tokens = self.cache.seen - keep_last
+            self._compress(keep_last)
             self._observing = False
             self.cache.observe(self.decode_window)
 
-    def _compress(self) -> None:
+    def held_positions(self) -> Tensor:
+        """[L, B, Hkv, S] the original position of every entry each (layer, row, KV head) holds, -1 past its
+        entries: which tokens a compression kept (read only)."""
+        if self.seen is None:
+            raise RuntimeError("the cache is empty: call prefill first")
+        return self.cache.positions()
+
+    def _compress(self, apart: int = 0) -> None:
         """Compress to ``budget_bytes`` if over it, with the scorer's declared sources (always, to a page format)."""
         if (self.budget.is_full or self.scorer is None) and self.recipe.format is None:
             self._pending = []  # nothing will ever be compressed
@@ -204,7 +214,7 @@ class CompressedModel(Steps, Speculation, nn.Module):
         if not bool((self.cache.bytes_held() > budget).any()) and self.recipe.format is None:
             return
         with self.observing() as cache:
-            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe)
+            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe, apart)
             if self.recipe.rerotate_keys:
                 rerotation.rerotate(cache, self.spec)
         self._pending = []
@@ -260,36 +270,3 @@ class CompressedModel(Steps, Speculation, nn.Module):
 
     def _fit_schedule(self, tokens: int) -> None:  # raises, before anything changes, when the cap cannot hold it
         self.schedule.fitted(int(self.cache.budget_tokens(self.budget, torch.tensor([tokens + 1]))))
-
-    def fork(self, recipe: str | Recipe | None = None, budget: float | int | str | None = None, *,
-             compile=None) -> "CompressedModel":
-        """A copy of this model's cache and counters, retargeted to ``recipe`` / ``budget``, over the same programs:
-        one ``prefill(context, compress=False)``, then ``fork(recipe, budget).compress()`` per cell. Only the cache
-        is copied. ``compile``: the copy runs compiled (``True`` or a backend) or eager (``False``); None: as this
-        model does. With a compression pending, the target may read at most the queries this cache kept."""
-        recipe = self.recipe if recipe is None else get_recipe(recipe)
-        budget = self.budget if budget is None else Budget.parse(budget)
-        programs = self.programs if compile is None else self.programs.compile(compile)
-        chunk = recipe.prefill_chunk or self.prefill_chunk
-        child = CompressedModel(programs, self.spec, recipe, budget, page_size=self.cache.page_size,
-                                prefill_chunk=chunk, generation_config=self.generation_config,
-                                device=self.device, source=self.source)
-        if self.seen is None:
-            return child
-        checks.same_chunking(recipe.name, chunk, self.prefill_chunk)
-        window, kept = child.observation_window, self.cache.ring.capacity
-        if self._observing and window > kept and kept < int(self.seen.max()):
-            raise ValueError(f"recipe {recipe.name!r} reads the last {window} queries of each layer but this cache "
-                             f"kept {kept}; prefill the shared context with compress=False under the widest-window "
-                             "recipe")
-        if child.cache.keep_ids > self.cache.keep_ids:
-            raise ValueError(f"recipe {recipe.name!r} reads the token ids of the context, which this cache did not log")
-        weighted, child.cache = child.cache.weighted, copy.deepcopy(self.cache)
-        child.cache.set_format(recipe.format)
-        child.cache.set_weighted(weighted)
-        child.context_tokens, child._pending = self.context_tokens.clone(), list(self._pending)
-        child.query_aware, child._observing = self.query_aware, self._observing
-        if self.decoder is not None and (recipe, budget) == (self.recipe, self.budget):
-            child.decoder = copy.deepcopy(self.decoder, memo={id(self.programs.layers): self.programs.layers})
-        child.cache.observe(window)
-        return child

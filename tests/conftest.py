@@ -142,3 +142,11 @@ def merged_and_repeated(B: int = 2, Hkv: int = 2, D: int = 16, P: int = 4, seed:
     repeated = paged([(k.repeat_interleave(n, 0), v.repeat_interleave(n, 0), pos.repeat_interleave(n), None)
                       for k, v, pos, n in heads], weighted=False)
     return merged, repeated
+
+
+@pytest.fixture(scope="session")
+def byte_full():
+    """``byte_llama`` captured once (full budget, pages of 4): the analyses' tests derive every cell from it."""
+    import kvcompile
+
+    return kvcompile.apply(byte_llama(), budget=1.0, recipe="full", page_size=4)

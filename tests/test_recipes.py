@@ -141,7 +141,7 @@ def test_recipes_show_tag_provenance_and_what_is_inferred(capsys):
 def test_the_sweep_table_shows_provenance_next_to_the_recipe_tag():
     row = {"task": "passkey", "recipe": "h2o", "version": 2, "fingerprint": "7f71", "provenance": "peer",
            "budget": "0.25", "score": 1.0, "n": 1, "bytes_held_mean": 1024.0, "held_fraction": 0.25, "wall_s": 1.0,
-           "kl_mean": None, "kl_p99": None, "top1": None, "query_aware": False, "error": None}
+           "kl_mean": None, "kl_p99": None, "top1": None, "uor": None, "query_aware": False, "error": None}
     config = {"length": 64, "n_samples": 1, "seed": 0}
     text = markdown({"rows": [row], "timing": {"shared_prefill_s": 1.0, "contexts": 1, "cells_s": 1.0},
                      "config": config})

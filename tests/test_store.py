@@ -31,10 +31,11 @@ def test_a_version_1_store_is_migrated_on_opening(tmp_path):
     db.commit()
     db.close()
     with Store(path) as store:
-        assert store.version == VERSION == 2
+        assert store.version == VERSION == 3
         (old,) = store.rows()
-        assert old["score"] == 1.0 and old["created"] is None and store.has(CELL)
-        assert store.add([{**CELL, "sample": 1, "score": 0.0}]) == 1
+        assert old["score"] == 1.0 and old["created"] is None and old["uor"] is None and store.has(CELL)
+        assert store.add([{**CELL, "sample": 1, "score": 0.0, "uor": 1.25}]) == 1
+        assert store.rows()[1]["uor"] == 1.25
         assert store.rows()[1]["created"] is not None and store.rows()[1]["torch_version"] == torch.__version__
     with Store(path) as store:  # reopening a current store changes nothing
         assert store.version == VERSION and len(store.rows()) == 2
@@ -100,8 +101,8 @@ def _row(recipe, budget, sample, score, held, **extra):
 def test_report_renders_tables_and_the_plot(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
         store.add([_row("full", "1", i, 1.0, 4096, kl_mean=0.0, kl_p99=0.0, top1=1.0, kl_tokens=10) for i in (0, 1)]
-                  + [_row("knorm", "0.5", 0, 1.0, 2048, kl_mean=0.1, kl_p99=0.3, top1=0.9, kl_tokens=10),
-                     _row("knorm", "0.5", 1, 0.0, 2048, kl_mean=0.4, kl_p99=0.9, top1=0.6, kl_tokens=30),
+                  + [_row("knorm", "0.5", 0, 1.0, 2048, kl_mean=0.1, kl_p99=0.3, top1=0.9, kl_tokens=10, uor=1.5),
+                     _row("knorm", "0.5", 1, 0.0, 2048, kl_mean=0.4, kl_p99=0.9, top1=0.6, kl_tokens=30, uor=2.0),
                      _row("knorm", "0.5", 2, None, 0, bytes_held=None, bytes_allocated=None, error="ValueError: boom"),
                      _row("knorm", "0.5", 0, 1.0, 1024, length=1024)])
         rows = store.rows()
@@ -112,7 +113,8 @@ def test_report_renders_tables_and_the_plot(tmp_path):
     assert knorm["top1"] == pytest.approx(0.675) and knorm["error"] == "ValueError: boom" and knorm["wall_s"] == 3.0
     md = report.markdown(rows)
     assert md.count("## m @ ") == 2 and "## m @ 512 tokens, float32" in md
-    assert "| passkey | knorm@1 | aaaa | peer | 0.5 | 2 | 0.50 | 2 | 0.500 | 3.0 | 0.325 | 0.90 | 0.68 | - |" in md
+    assert knorm["uor"] == 1.75  # mean over the samples that succeeded
+    assert "| passkey | knorm@1 | aaaa | peer | 0.5 | 2 | 0.50 | 2 | 0.500 | 1.75 | 3.0 | 0.325 | 0.90 | 0.68 | - |" in md
     table = list(csv.DictReader(io.StringIO(report.csv_text(cells))))
     assert len(table) == 3 and table[1]["recipe"] == "knorm" and float(table[1]["score"]) == 0.5
     assert report.plot(cells, tmp_path / "plot.png").stat().st_size > 0
@@ -122,6 +124,18 @@ def test_report_renders_tables_and_the_plot(tmp_path):
 def tiny():
     model = byte_llama()
     return byte_tokenizer(), kvcompile.apply(model, budget=1.0, recipe="full")
+
+
+def test_sweep_rows_carry_their_scorers_union_overhead(tiny, tmp_path):
+    """UOR in the store: between 1 and the group size for a scorer with a per-query-head form (h2o), None for one
+    without (knorm) and for the full cache."""
+    tok, cm = tiny
+    with Store(tmp_path / "s.sqlite") as store:
+        sweep.run(cm, tok, ["knorm", "h2o"], [0.25], ["passkey"], n_samples=1, length=512, progress=False,
+                  store=store, model="tiny")
+        uor = {r["recipe"]: r["uor"] for r in store.rows()}
+    group = cm.spec.num_q_heads // cm.spec.num_kv_heads
+    assert uor["full"] is None and uor["knorm"] is None and 1.0 <= uor["h2o"] <= group
 
 
 def test_sweep_resumes_from_the_store_and_a_changed_recipe_runs_again(tiny, tmp_path):

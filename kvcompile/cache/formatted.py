@@ -102,19 +102,25 @@ class FormatPool:
                                       for a, b in zip(stored, dense))
         return keys, values, positions, j < (n[..., 0] + self.lengths[layer])[..., None]
 
-    def newest(self, window: int) -> Tensor:
-        """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0), S the
-        longest head: read from the position pages alone (no key or value is gathered or decoded, which matters
-        to a demotion while decoding)."""
-        if not window:
-            return torch.zeros(*self.lengths.shape, 1, dtype=torch.bool, device=self.device)
+    def positions(self) -> Tensor:
+        """[L, B, Hkv, S] the original position of every entry each head holds, in its logical order, -1 past its
+        ``held`` entries (S the longest head, at least 1): read from the position pages alone (no key or value is
+        gathered or decoded, which matters to a demotion while decoding)."""
         P, n_f, n = self.page_size, self.fmt_lengths.long()[..., None], self.held().long()[..., None]
         j = torch.arange(max(int(n.max()), 1), device=self.device)
         pos = self.page_pos.reshape(-1)[reference.rows_of(self.page_table, (j - n_f).clamp_min(0), P)].long()
         if self.format_used:
             stored = self.fmt_pos.reshape(-1)[reference.rows_of(self.fmt_table, j.expand_as(pos), P)].long()
             pos = torch.where(j < n_f, stored, pos)
-        return (j < n) & (pos >= (self.seen - window)[None, :, None, None])
+        return pos.masked_fill(j >= n, -1)
+
+    def newest(self, window: int) -> Tensor:
+        """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0), S the
+        longest head."""
+        if not window:
+            return torch.zeros(*self.lengths.shape, 1, dtype=torch.bool, device=self.device)
+        pos = self.positions()
+        return (pos >= 0) & (pos >= (self.seen - window)[None, :, None, None])
 
     def demote(self, precise_recent: int, shrink: bool = True) -> None:
         """Store every held entry in the page format except each row's ``precise_recent`` newest tokens, which stay

@@ -11,6 +11,11 @@ from torch import Tensor
 from ..model import CompressedModel
 
 
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text``, no special tokens (a task prompt's parts, read one after another)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def ids_tensor(ids: list[int], device) -> Tensor:
     return torch.tensor([ids], dtype=torch.long, device=device)
 
@@ -36,3 +41,10 @@ def greedy(cm: CompressedModel, logits: Tensor, max_new_tokens: int, eos_ids=(),
             break
         logits = cm.decode(ids_tensor([token], cm.device))[0, -1]
     return tokens
+
+
+def answer(cm, tokenizer, logits: Tensor, max_new_tokens: int) -> list[int]:
+    """``greedy`` from ``logits`` [V], stopping at the tokenizer's or the model's end-of-sequence token. ``cm``: a
+    ``CompressedModel``, or anything with its ``decode`` and ``device`` (``analysis.masked``)."""
+    ids = (tokenizer.eos_token_id, getattr(getattr(cm, "generation_config", None), "eos_token_id", None))
+    return greedy(cm, logits, max_new_tokens, eos_ids={t for t in ids if isinstance(t, int)})

@@ -27,10 +27,11 @@ from .. import observation
 from ..recipes import Recipe, anchors, compose, get_recipe
 from ..model import CompressedModel
 from . import report
-from .decoding import greedy, ids_tensor, read_question
+from .decoding import answer, encode, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
 from .store import VALUES, Store, cell_keys
 from .synthetic import get_task, make_sample
+from .uor import held_uor
 
 
 def parse_budget(text: str) -> float | int | str:
@@ -42,16 +43,6 @@ def parse_budget(text: str) -> float | int | str:
         return float(text)
     except ValueError:
         return text
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _answer(cm: CompressedModel, tokenizer, question: list[int], max_new_tokens: int) -> list[int]:
-    ids = (tokenizer.eos_token_id, getattr(cm.generation_config, "eos_token_id", None))
-    eos = {t for t in ids if isinstance(t, int)}
-    return greedy(cm, read_question(cm, question), max_new_tokens, eos_ids=eos)
 
 
 def run(
@@ -129,11 +120,7 @@ class Sweeper:
     def __init__(self, cm: CompressedModel, tokenizer, cells: list, *, length: int, seed: int, kl: bool, model: str):
         cells = [(anchors.resolve(r, tokenizer), b) for r, b in cells]  # TA's anchors as this tokenizer's ids
         self.tokenizer, self.cells, self.length, self.seed, self.kl, self.model = tokenizer, cells, length, seed, kl, model
-        widest = max(_observation_window(cm, r, b) for r, b in cells)
-        shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps all
-        if any(_reads_ids(r) for r, _ in cells):  # a TA sponsoring nothing: the same, and it logs the token ids
-            shared = compose("ta-fast", shared, anchors=[])
-        self.base = kvcompile.apply(cm, budget=1.0, recipe=shared)
+        self.base = shared_base(cm, cells)
 
     def keys(self, task: str, index: int) -> list[dict]:
         """The store key of every cell on context ``index`` of ``task``."""
@@ -146,7 +133,7 @@ class Sweeper:
         and ``cells_s``."""
         task = get_task(task_name)
         sample = make_sample(task, self.tokenizer, self.length, seed=self.seed, index=index)
-        context, question = (_encode(self.tokenizer, t) for t in sample.prompt(self.tokenizer))
+        context, question = (encode(self.tokenizer, t) for t in sample.prompt(self.tokenizer))
         t0 = time.perf_counter()
         self.base.reset()
         with torch.no_grad():
@@ -162,6 +149,16 @@ class Sweeper:
                 rows.append(dict.fromkeys(VALUES) | key | row)
         return {"rows": rows, "answers": answers, "context": context, "question": question, "prefill_s": prefill_s,
                 "cells_s": time.perf_counter() - t0}
+
+
+def shared_base(cm: CompressedModel, cells: list) -> CompressedModel:
+    """A full-budget model of ``cm`` that keeps, when it prefills with ``compress=False``, the queries of the widest
+    observation window any of the (recipe, budget) ``cells`` reads, so each cell can fork it and compress."""
+    widest = max(_observation_window(cm, r, b) for r, b in cells)
+    shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps all
+    if any(_reads_ids(r) for r, _ in cells):  # a TA sponsoring nothing: the same, and it logs the token ids
+        shared = compose("ta-fast", shared, anchors=[])
+    return kvcompile.apply(cm, budget=1.0, recipe=shared)
 
 
 def new_timing() -> dict:
@@ -192,14 +189,18 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
     t0 = time.perf_counter()
     try:
         model = base.fork(recipe, budget)
+        unions = model.fork() if recipe.scorer and not budget.is_full else None  # uncompressed, for the UOR
         model.compress()
         stats = model.cache_stats()
+        share = stats["tokens_held"] / (int(model.seen.sum()) * model.spec.num_layers * model.spec.num_kv_heads)
         probe = model.fork() if kl else None
-        tokens = _answer(model, tokenizer, question, max_new_tokens)
+        tokens = answer(model, tokenizer, read_question(model, question), max_new_tokens)
         row = {"wall_s": time.perf_counter() - t0, "tokens": tokens, "query_aware": False,  # question read after
                "score": sample.score(tokenizer.decode(tokens, skip_special_tokens=True)),
                "bytes_held": stats["bytes_held"], "bytes_allocated": stats["bytes_allocated"],
                "bytes_full": stats["bytes_full"]}
+        if unions is not None:  # at the share of the context's tokens the cell kept (not timed)
+            row["uor"] = held_uor(unions, share)[0]
         ids = reference.setdefault("ids", question + tokens)
         if kl:
             with torch.no_grad():
@@ -240,7 +241,7 @@ def _separate(base, cells, context, question, tokenizer, max_new_tokens, answers
         t0 = time.perf_counter()
         with torch.no_grad():
             model.prefill(ids_tensor(context, model.device), logits="last")
-        tokens = _answer(model, tokenizer, question, max_new_tokens)
+        tokens = answer(model, tokenizer, read_question(model, question), max_new_tokens)
         cell_times += time.perf_counter() - t0
         timing["separate_mismatches"] += int(tokens != answers.get((recipe.name, str(budget))))
     timing["separate_s"] += cell_times
@@ -252,8 +253,8 @@ def markdown(result: dict, model: str = "") -> str:
     cfg, t = result["config"], result["timing"]
     lines = [f"{model} @ {cfg['length']} tokens, {cfg['n_samples']} samples per task, seed {cfg['seed']}, "
              "query-agnostic (context compressed before the question is read). Bytes: K/V pages held per request "
-             "after compressing the context; wall: seconds per cell (compress + answer, all samples), the shared "
-             "prefill excluded.", "", *report.table(result["rows"])]
+             "after compressing the context; UOR: the scorer's union-overhead ratio at the share it kept; wall: "
+             "seconds per cell (compress + answer, all samples), the shared prefill excluded.", "", *report.table(result["rows"])]
     lines += ["", f"Shared prefill: {t['shared_prefill_s']:.1f} s for {t['contexts']} contexts, cells "
               f"{t['cells_s']:.1f} s."]
     if t.get("separate_contexts"):

@@ -46,11 +46,33 @@ def union_overhead(scorer: Scorer, obs: Observation, fraction: float, held: Tens
     return union_sizes(scores, held, k) / k
 
 
+def held_uor(cm, fraction: float) -> tuple[float | None, list[float]]:
+    """UOR of ``cm``'s scorer (a ``CompressedModel`` holding a context uncompressed and observed: after
+    ``prefill(..., compress=False)``, or a fork of it) at a keep ``fraction`` of each head's context tokens: the
+    overall ratio (tokens over all layers and heads) and one per layer; (None, []) for a scorer without a
+    per-query-head form. A recipe with a reconstruction pass (KVzip) is measured on that pass's queries, as its
+    compression sees them (the pass is run and dropped again: pass a fork you no longer need)."""
+    if cm.scorer is None:
+        return None, []
+    context = cm.seen.clone()
+    union, kept, per_layer = 0.0, 0.0, []
+    with cm.observing() as cache:
+        for layer in cm.programs.layers:
+            obs = observe(cache, layer)
+            held = obs.valid & (obs.positions < context[:, None, None])  # the context, not a reconstruction
+            ratio = union_overhead(cm.scorer, obs, fraction, held)
+            if ratio is None:
+                return None, []
+            k = (fraction * held.sum(-1)).round().clamp_min(1)
+            union, kept = union + float((ratio * k).sum()), kept + float(k.sum())
+            per_layer.append(float((ratio * k).sum() / k.sum()))
+    return union / kept, per_layer
+
+
 def uor_table(model, input_ids: Tensor, budget: float = 0.25, recipes: list | None = None) -> list[dict]:
     """One row per recipe: UOR of its scorer on ``model`` (a ``CompressedModel``) after prefilling ``input_ids``
-    [B, T], at a keep fraction of ``budget`` per head. The row gives the overall ratio (tokens over all layers and
-    heads), and the lowest and highest layer; ``uor`` is None for scorers without a per-query-head form. A recipe
-    with a reconstruction pass (KVzip) is measured on the queries of that pass, as its compression sees them."""
+    [B, T], at a keep fraction of ``budget`` per head (``held_uor``): the overall ratio, and the lowest and highest
+    layer; ``uor`` is None for scorers without a per-query-head form."""
     names = recipes if recipes is not None else [n for n, r in RECIPES.items() if r.scorer]
     rows = []
     for name in names:
@@ -58,22 +80,11 @@ def uor_table(model, input_ids: Tensor, budget: float = 0.25, recipes: list | No
         cm = model.fork(recipe, 1.0)  # the recipe's observation window, nothing compressed
         cm.reset()
         cm.prefill(input_ids, compress=False, logits="last")
-        context = cm.seen.clone()
-        union, kept, per_layer = 0.0, 0.0, []
-        with cm.observing() as cache:
-            for layer in cm.programs.layers:
-                obs = observe(cache, layer)
-                held = obs.valid & (obs.positions < context[:, None, None])  # the context, not a reconstruction
-                ratio = union_overhead(cm.scorer, obs, budget, held)
-                if ratio is None:
-                    break
-                k = (budget * held.sum(-1)).round().clamp_min(1)
-                union, kept = union + float((ratio * k).sum()), kept + float(k.sum())
-                per_layer.append(float((ratio * k).sum() / k.sum()))
+        ratio, per_layer = held_uor(cm, budget)
         rows.append({
             "recipe": recipe.tag,
             "scorer": recipe.scorer,
-            "uor": union / kept if per_layer else None,
+            "uor": ratio,
             "uor_min_layer": min(per_layer) if per_layer else None,
             "uor_max_layer": max(per_layer) if per_layer else None,
             "group_size": cm.spec.num_q_heads // cm.spec.num_kv_heads,
