@@ -159,5 +159,9 @@ def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging: ValueMerging
     kept = plan.kept(int(cache.held().max()))
     for layer in layers:
         keys, values, _, valid = cache.dense(layer.index)
-        mine = F.pad(kept[layer.index], (0, max(keys.shape[2] - kept.shape[-1], 0)))[..., : keys.shape[2]]
-        cache.rewrite(layer.index, values=merging.merge(keys, values, valid, mine))
+        cache.rewrite(layer.index, values=merging.merge(keys, values, valid, _padded(kept[layer.index], keys.shape[2])))
+
+
+def _padded(mask: Tensor, S: int) -> Tensor:
+    """A [..., S'] mask of held entries cut or padded (False) to S entries."""
+    return F.pad(mask, (0, max(S - mask.shape[-1], 0)))[..., :S]

@@ -89,7 +89,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         if weight is None or self.programs.weights == (weight.dtype, weight.device):
             return
         self.spec = ModelSpec.from_model(self.source)
-        self.programs = Programs.of(self.source, self.spec, self.programs.store).compile(self.programs.compiled, self.recipe.format)
+        programs = Programs.of(self.source, self.spec, self.programs.store)
+        self.programs = programs.compile(self.programs.compiled, self.recipe.format)
         self.cache.to(device=weight.device, dtype=weight.dtype)
 
     # ------------------------------------------------------------------ state
