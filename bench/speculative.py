@@ -6,8 +6,8 @@ tokens of a long document (Python's bundled ``pydoc_data`` topics: nothing is do
 ``--tokens`` tokens greedily (or at ``--temperature``), end-of-text ignored. Per context we measure, within one run:
 
 * plain greedy decoding (``decode`` steps over the target's prefilled cache) against speculative decoding
-  (``generate(..., draft=draft, draft_tokens=k)``) in seconds per new token, prefills taken out (each model's
-  prefill is timed on its own first), and whether the greedy outputs are identical;
+  (``generate(..., draft=draft, draft_tokens=k)``) in seconds per new token, prefills left out (the speculative
+  rounds' own time, ``SpeculationStats.seconds``), and whether the greedy outputs are identical;
 * the acceptance rate (drafted tokens the target kept) and tokens emitted per target call;
 * the draft's cache: bytes held (its budget's, plus the generated tokens) and allocated, against the target's;
 * the cost model's inputs: one draft decode step and one target verification of k + 1 tokens, each over one target
@@ -17,8 +17,11 @@ Batch-1 decode is bound by reading the weights, and the draft has the target's w
 speculation is expected to lose here (``docs/guide.md`` works through what a smaller draft changes). Timings are
 taken on a shared machine; only ratios within one run are compared.
 
-    python bench/speculative.py --contexts 2048,4096 --tokens 32                      # bench/results/speculative.*
-    python bench/speculative.py --contexts 8000 --tokens 32 --out bench/results/speculative_8k
+    OMP_NUM_THREADS=1 python bench/speculative.py --contexts 2048,4096,8000 --tokens 32   # results/speculative.*
+
+Under heavy contention two threads lose more to waiting for each other than they gain (SmolLM2's decode steps
+measured 4 to 7 times slower with two threads than with one, minutes apart, on the loaded machine), so the committed
+run uses one thread; ``results/speculative_contended*`` keep the two-thread runs made while the machine was loaded.
 """
 
 from __future__ import annotations
@@ -80,10 +83,10 @@ def measure(target, draft, ids, args) -> dict:
     draft_step = median_time(lambda: draft.decode(ids[:, -1:]), args.repeats)
     sampling = dict(do_sample=args.temperature > 0, temperature=args.temperature or 1.0, eos_token_id=[],
                     max_new_tokens=args.tokens, generator=torch.Generator().manual_seed(0))
-    spec, t_spec = timed(lambda: target.generate(ids, draft=draft, draft_tokens=args.k, **sampling))
+    spec = target.generate(ids, draft=draft, draft_tokens=args.k, **sampling)
     stats, held, drafted = target.speculation, target.cache_stats(), draft.cache_stats()
     new = spec.shape[1] - ids.shape[1]
-    spec_s = (t_spec - base["target_prefill_s"] - draft_prefill) / new
+    spec_s = stats.seconds / new  # the rounds alone, as plain's decode steps alone
     c, v = draft_step / base["target_step_s"], verify / base["target_step_s"]
     per_call = new / (stats.rounds + 1)  # the first token comes from the prefill's logits
     identical = bool(torch.equal(base.pop("out"), spec)) if args.temperature == 0 else None

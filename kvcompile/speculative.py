@@ -16,6 +16,7 @@ tokens it would take back may already have been compressed.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,13 @@ from .generation import nucleus, sample
 
 @dataclass
 class SpeculationStats:
-    """Counts of the last speculative ``generate``: target calls (``rounds``), tokens drafted and accepted."""
+    """Counts of the last speculative ``generate``: target calls (``rounds``), tokens drafted and accepted, and the
+    wall seconds of the rounds (both prompts' prefills excluded: what a benchmark compares with plain decoding)."""
 
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -101,7 +104,8 @@ class Speculation:
     def _rounds(self, draft, k: int, logits: Tensor, max_new_tokens: int, eos: set, sampling: dict) -> Tensor:
         """Draft, verify and roll back until ``max_new_tokens`` or an ``eos`` id; the last round drafts fewer than
         ``k`` where fewer tokens are left (none: a plain decode step)."""
-        stats = self.speculation = SpeculationStats()
+        stats, start = SpeculationStats(), time.perf_counter()
+        self.speculation = stats
         tokens = [int(sample(logits[:, -1], **sampling))]
         emitted = unread = tokens[:]  # the last round's tokens; those the draft has not read yet (1 or 2)
         while len(tokens) < max_new_tokens and not eos.intersection(emitted):
@@ -116,6 +120,7 @@ class Speculation:
             emitted = [*proposed[:kept], token]
             tokens += emitted
             unread = [*(proposed[-1:] if kept == n else []), token]  # all kept: the draft never read the last
+        stats.seconds = time.perf_counter() - start  # every round read its tokens back: nothing is in flight
         ends = [i for i, t in enumerate(tokens) if t in eos]
         return torch.tensor([tokens[: ends[0] + 1] if ends else tokens], device=self.device)
 
