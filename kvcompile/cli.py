@@ -33,8 +33,8 @@ def _demo(args) -> int:
           f"then the question ({question.shape[1]} tokens), compressed before the question is read", file=sys.stderr)
     t0 = time.perf_counter()
     full = kvcompile.apply(model, budget=1.0, recipe="full")
-    how = "loaded from the capture cache" if full.programs.from_store else "captured and rewrote"
-    print(f"{how} {full.spec.num_layers} attention layers in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    how = "from the capture cache" if full.programs.from_store else "captured and rewritten"
+    print(f"{full.spec.num_layers} attention layers {how} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rows = []
     for name, cm in [("full", full), (args.recipe, kvcompile.apply(full, budget=args.budget, recipe=args.recipe))]:
         t0 = time.perf_counter()
