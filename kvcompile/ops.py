@@ -110,8 +110,8 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     def op(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, lengths: Tensor,
-        obs_q: Tensor, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor, fmt_table: Tensor,
-        fmt_lengths: Tensor, layer: int, scale: float, window: int,
+        obs_q: Tensor, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor,
+        fmt_table: Tensor, fmt_lengths: Tensor, layer: int, scale: float, window: int,
     ) -> Tensor:
         fmt = (fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths)
         return _attend(

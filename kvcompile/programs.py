@@ -55,8 +55,9 @@ class Programs:
         """Capture ``model`` (``capture.capture``) and rewrite it, or rebuild both from the disk cache
         (``program_store``; ``store``: True for the default folder, a folder, or False for none). The graph bakes in
         the weights' dtype and device (the model's own casts), so a model moved to another one is captured again."""
-        where, key = program_store.folder(store), program_store.key(model)
-        entry = where / key if where is not None and key is not None else None
+        where = program_store.folder(store)
+        key = program_store.key(model) if where is not None else None
+        entry = where / key if key is not None else None
         found = program_store.load(entry, model) if entry is not None else None
         if found is not None:
             programs = cls._assemble(*found, spec)

@@ -278,5 +278,4 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
     def program_tensors(self) -> tuple[Tensor, ...]:
         """The tensors a program reads and writes, in the calling convention's order (``programs.CACHE_INPUTS``)."""
         return (self.k_pages, self.v_pages, self.page_pos, self.page_lw, self.page_table, self.lengths,
-                self.ring.queries,
-                *(getattr(self, name) for name in FORMAT_TENSORS))
+                self.ring.queries, *(getattr(self, name) for name in FORMAT_TENSORS))
