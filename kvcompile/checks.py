@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .kernels.formats import get_format
+from .compress import WEIGHTED_STRATEGIES
 from .methods.sources import Reconstruction
 
 
@@ -104,7 +105,7 @@ def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:
 def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
     """Refuse, at ``apply``, a recipe and budget that cannot run together: a recipe that evicts nothing under a
     budget below what it stores, and a page format with what it does not support yet."""
-    if recipe.merge and allocator.strategy == "tail-summary":
+    if recipe.merge and allocator.strategy in WEIGHTED_STRATEGIES:
         raise ValueError(f"recipe {recipe.name!r} merges evicted values beside a summarising allocator, whose "
                          "summary already stands for them; use one or the other")
     if recipe.format is None:
@@ -115,7 +116,7 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
                    "value merging": recipe.merge,
                    "an allocator of whole pages": allocator.strategy == "pages",
                    "a summarising allocator (its weighted entries live in the model-dtype pool only)":
-                       allocator.strategy == "tail-summary"}
+                       allocator.strategy in WEIGHTED_STRATEGIES}
     for what, used in unsupported.items():
         if used:
             raise NotImplementedError(f"recipe {recipe.name!r}: {what} does not work with {recipe.format} pages yet")

@@ -102,8 +102,38 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> 
     return Plan.of_mask(kept, new=new)
 
 
-STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary}
-WEIGHTED_STRATEGIES = frozenset({"tail-summary"})  # strategies whose plans write weighted entries (``cache.weights``)
+def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+    """Every entry an allocator's choice of original tokens and prototypes (``Allocator.prototypes``: GraceKV),
+    within the budget's pages of each row; when every held token fits, all are kept as they are."""
+    held = cache.held().long()
+    max_pages = budget_bytes // cache.stored_page_bytes
+    if bool((cache.pages_held(held).sum((0, 2)) <= max_pages).all()):
+        return Plan.of_mask(scores > float("-inf"))
+    observations = [observe(cache, layer) for layer in layers]
+    kept, keys, values, positions, log_weights, counts = allocator.prototypes(observations, scores, max_pages,
+                                                                             cache.page_size)
+    return Plan.of_mask(kept, new=NewEntries(keys, values, positions, counts, log_weights))
+
+
+def plan_memory(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+    """``token_counts`` per head, of which a head that evicts spends up to ``allocator.memory`` on memory entries
+    (``Allocator.summarize``) and keeps the rest by the allocator's own rule (``Allocator.retain``): CORE."""
+    counts = token_counts(cache, allocator, scores, stats, budget_bytes)
+    evicts = (counts < cache.held()) & (counts > 1)
+    memory = torch.where(evicts, (counts - 1).clamp_max(allocator.memory), 0)
+    kept, rows = [], []
+    for layer in layers:
+        obs = observe(cache, layer)
+        s = scores[layer.index]
+        kept.append(allocator.retain(obs, s, counts[layer.index] - memory[layer.index]))
+        rows.append(allocator.summarize(obs, (s > float("-inf")) & ~kept[-1], s, memory[layer.index]))
+    keys, values, positions, log_weights, written = (torch.stack(x) for x in zip(*rows))
+    return Plan.of_mask(torch.stack(kept), new=NewEntries(keys, values, positions, written, log_weights))
+
+
+STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary,
+              "prototypes": plan_prototypes, "memory": plan_memory}
+WEIGHTED_STRATEGIES = frozenset({"tail-summary", "prototypes", "memory"})  # strategies whose plans write weighted entries (``cache.weights``)
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,

@@ -9,7 +9,8 @@ step and then every ``every`` steps, ``run``:
 2. asks the policy how many tokens each head keeps: the cap minus ``every`` (room for the tokens until the next
    run), so no head ever holds more than the cap (GrowPage shares the sequence's cap unevenly instead);
 3. keeps the protected levels first (recent window > sinks > prompt), then the top scores: one ``plan.Plan``,
-   applied by ``PagedKVCache.keep`` (the pool keeps its size), moving the policy's per-token state along;
+   applied by ``PagedKVCache.keep`` (the pool keeps its size), moving the policy's per-token state along; a
+   policy that merges (CaM) first folds evicted values into kept ones (``MergingPolicy.merge``);
 4. reserves room for the next ``every`` tokens in the pages given up.
 
 The cap is the model's budget, per sequence: a token count is tokens per KV head, a byte size is spread evenly over
@@ -28,7 +29,7 @@ from torch import Tensor, nn
 
 from .budget import Budget
 from .cache import PagedKVCache
-from .methods.decoding import POLICIES, DecodePolicy, LayerState
+from .methods.decoding import POLICIES, DecodePolicy, LayerState, MergingPolicy
 from .observation import observe
 from .plan import EMPTY, PROMPT, RECENT, SCORED, SINK, select
 
@@ -147,6 +148,8 @@ class DecodeCompressor:
         counts = self.policy.allocate(self.states, lengths, target, sched.every).long().clamp_min(0).minimum(lengths)
         if bool((counts < lengths).any()):
             plan = select(torch.stack(scores), counts, torch.stack(levels))
+            if isinstance(self.policy, MergingPolicy):
+                self._merge(cache, plan)
             cache.keep(plan, shrink=False)
             S = scores[0].shape[-1]
             for layer, state in enumerate(self.states):
@@ -156,6 +159,15 @@ class DecodeCompressor:
             state.tokens = state.tokens.masked_fill(idx >= cache.lengths[layer, ..., None], float("nan"))
         cache.reserve(sched.every, growth=GROWTH)
         return held
+
+    def _merge(self, cache: PagedKVCache, plan) -> None:
+        """Let the policy fold evicted values into kept ones (``MergingPolicy.merge``) before ``plan`` applies."""
+        for layer, state in zip(self.layers, self.states):
+            _, values, _, valid = cache.dense(layer.index)
+            kept = plan.kept(values.shape[2])[layer.index]
+            merged = self.policy.merge(state, values, valid, kept, self.schedule.every, self.steps)
+            if merged is not None:
+                cache.rewrite(layer.index, values=merged)
 
     def ceiling(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
         """[B] tokens per KV head the cap allows a row that has read ``seen`` tokens."""

@@ -52,6 +52,18 @@ class DecodePolicy:
         return lengths.minimum(target[None, :, None])
 
 
+class MergingPolicy(DecodePolicy):
+    """A policy that folds what a run evicts into what it keeps (CaM); the schedule calls ``merge`` per layer
+    before the run's plan applies."""
+
+    def merge(self, state: LayerState, values: Tensor, valid: Tensor, kept: Tensor, candidates: int,
+              step: int) -> Tensor | None:
+        """One layer's values [B, Hkv, S, D] with what this run evicts folded into the ``kept`` [B, Hkv, S] entries
+        (CaM), or None (nothing merges). ``candidates``: tokens generated since the last run;
+        ``step``: decode steps so far."""
+        raise NotImplementedError
+
+
 def step_attention(obs: Observation) -> Tensor:
     """[B, Hkv, W, S]: the attention each ring query paid the held keys at its step, averaged over its GQA group
     (0 for empty slots and keys it could not see)."""

@@ -165,6 +165,25 @@ _BUILTIN = [
            inferred="the method from third-party full-text reads; the summary's log-weight (the tail's mass for the "
                     "mean window query) is our choice, the paper leaves a mass term open; a head evicting one token "
                     "keeps it"),
+    Recipe("gracekv", "snapkv", "gracekv", {"window": 32, "kernel": 7}, {"slot": 64, "beta": 0.1},
+           source="https://arxiv.org/abs/2608.07001", provenance="abstract",
+           inferred="the method from a full-text summary (no code): fixed slots of 64 tokens instead of the "
+                    "curvature segmentation (no hidden states here); binary trees of contiguous halves instead of "
+                    "hierarchical clustering; post-RoPE mean keys (methods see no RoPE to undo); relevance = SnapKV's "
+                    "window attention, no graph propagation; head sensitivity 1; split gain R_p D_p - sum R_c D_c; "
+                    "SnapKV's pinned window kept exactly"),
+    Recipe("gracekv-unmerged", "snapkv", "gracekv", {"window": 32, "kernel": 7},
+           {"slot": 64, "beta": 0.1, "merged": False}, source="gracekv's allocation without merging (control)",
+           provenance="control", inferred="each prototype replaced by its most relevant token, unweighted"),
+    Recipe("core", "snapkv", "core", {"window": 32, "kernel": 7}, {"memory": 4, "gamma": 1.0, "delta": 0.1},
+           source="https://arxiv.org/abs/2610.02235", provenance="abstract",
+           inferred="from the abstract and a third-party summary: the learned indexer replaced by its offline "
+                    "objective computed exactly (SnapKV's mass + gamma x log-det of the kept unit keys' Gram + delta "
+                    "I, greedy); the latent memory replaced by 4 weighted entries a head, equal-mass groups of the "
+                    "evicted tokens in position order, exact for the mean window query; gamma 1, delta 0.1"),
+    Recipe("core-unmerged", "snapkv", "core", {"window": 32, "kernel": 7},
+           {"memory": 4, "gamma": 1.0, "delta": 0.1, "merged": False},
+           source="core's retention without its memory entries (control)", provenance="control"),
     Recipe("page-entrokv", "page-entrokv", "page-entrokv", {"window": 32, "sinks": 4, "tau": 1.0},
            source="https://arxiv.org/abs/2610.03135", provenance="abstract",
            inferred="the observed queries (last 32), 4 sinks, tau 1 from unofficial code; its layer budgets and "
@@ -221,6 +240,13 @@ _BUILTIN = [
            decode={"policy": "h2o-decode", "every": 16, "recent": 32, "sinks": 4},
            source="https://arxiv.org/abs/2306.14048 (attention summed over generated steps, as awslabs/keys_values)",
            provenance="peer", inferred="the grace period is the recent window of 32; evicts every 16 steps"),
+    Recipe("cam", "snapkv", scorer_args={"window": 1, "kernel": 1},
+           decode={"policy": "cam", "every": 16, "recent": 32, "sinks": 4, "args": {"merge_budget": 32, "seed": 0}},
+           source="https://openreview.net/forum?id=LCTmppB165 (CaM, ICML 2024, as kvpress 0.5.5 CAMPress)",
+           provenance="peer",
+           inferred="h2o-decode's schedule (every 16, recent 32, 4 sinks) where kvpress runs every 512 tokens down "
+                    "to 2048; each KV head evicts its own tokens (kvpress: one set for all); merges only at "
+                    "decode-time runs (a prompt over the cap is cut by the prefill scorer, unmerged)"),
     Recipe("snapkv-decode", "snapkv", scorer_args={"window": 32, "kernel": 7},
            decode={"policy": "snapkv-decode", "every": 16, "recent": 32, "sinks": 4,
                    "args": {"window": 32, "kernel": 7}},
