@@ -31,7 +31,7 @@ class GraceKV(Allocator):
     (Z - Z~)^2 / (Z^2 + eps) + |M - M~|^2 / (|M|^2 + eps) (Z the node's attention partition, M its weighted value
     sum, ~ for the prototype). A node's error is R x D (R: its share of the scorer's attention mass; a dropped slot
     has D = 2). The greedy pops the best gain per entry: coverage (R (2 - D_root), 1 entry) or a split (R D_parent
-    - sum R_c D_c, children - 1 entries), every slot's root first while the budget holds one per slot (the singleton
+    - sum R_c D_c, children - 1 entries; the probes: the ``probes`` newest observed queries), every slot's root first while the budget holds one per slot (the singleton
     floor), each action only if the row's pages still fit. Single-token nodes are kept as the original tokens.
 
     With ``merged=False`` (a control: the same allocation without merging), every prototype of several tokens is
@@ -40,6 +40,7 @@ class GraceKV(Allocator):
 
     slot: int = 64
     beta: float = 0.1
+    probes: int = 8  # the newest observed queries the distortion is measured on (each with its GQA group)
     merged: bool = True
 
     strategy = "prototypes"
@@ -65,7 +66,8 @@ class GraceKV(Allocator):
     def _tree(self, obs: Observation, mass: Tensor, pinned: Tensor) -> dict:
         """One layer's slots in tree order and every node's error, level by level (level l: 2^l nodes a slot)."""
         B, Hkv, S, D = obs.keys.shape
-        free = obs.valid & ~pinned[..., :S]
+        mass, pinned = F.pad(mass, (0, max(S - mass.shape[-1], 0)))[..., :S], pinned[..., :S]
+        free = obs.valid & F.pad(~pinned, (0, S - pinned.shape[-1]), value=False)
         order = (~free).long().argsort(dim=-1, stable=True)  # free tokens first, in position order
         n = int(free.sum(-1).max())
         slots = max(-(-n // self.slot), 1)
@@ -75,9 +77,9 @@ class GraceKV(Allocator):
         member = take(free.gather(-1, order)) & (torch.arange(slots * self.slot, device=obs.keys.device) < S)
         gather = lambda x: x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
         keys, values = gather(obs.keys.float()), gather(obs.values.float())
-        relevance = mass[..., :S].gather(-1, index.clamp_max(S - 1)) * member
+        relevance = mass.gather(-1, index.clamp_max(S - 1)) * member
         positions = obs.positions.gather(-1, index.clamp_max(S - 1))
-        attn, lse, q = _probe(obs)  # [B, Hkv, U, S], [B, Hkv, U], [B, Hkv, U, D]
+        attn, lse, q = _probe(obs, self.probes)  # [B, Hkv, U, S], [B, Hkv, U], [B, Hkv, U, D]
         attn = attn.gather(-1, index[:, :, None].expand(-1, -1, attn.shape[2], -1)) * member[:, :, None]
         beta = self.beta * (mass * free).sum(-1) / free.sum(-1).clamp_min(1)  # [B, Hkv]
         levels = []
@@ -184,14 +186,18 @@ class GraceKV(Allocator):
         return kept, keys, values, positions, log_w * live, counts
 
 
-def _probe(obs: Observation):
-    """The window queries' attention [B, Hkv, U, S] (U = group x window), its log-partition [B, Hkv, U] and the
-    queries [B, Hkv, U, D], each KV head's GQA group stacked."""
+def _probe(obs: Observation, probes: int):
+    """The last ``probes`` window queries' attention [B, Hkv, U, S] (U = group x probes), its log-partition
+    [B, Hkv, U] and the queries [B, Hkv, U, D], each KV head's GQA group stacked."""
     B, Hkv, S, D = obs.keys.shape
-    Hq, W = obs.queries.shape[1], obs.queries.shape[2]
-    q = obs.queries.float().reshape(B, Hkv, (Hq // Hkv) * W, D)
-    seen = (obs.query_positions >= 0)[:, None, None, :].expand(B, Hkv, Hq // Hkv, W).reshape(B, Hkv, -1)
-    qp = obs.query_positions[:, None, None, :].expand(B, Hkv, Hq // Hkv, W).reshape(B, Hkv, -1)
+    Hq = obs.queries.shape[1]
+    last = obs.query_positions.topk(min(probes, obs.query_positions.shape[1]), dim=-1).indices  # [B, W]
+    positions = obs.query_positions.gather(1, last)
+    W = last.shape[1]
+    queries = obs.queries.gather(2, last[:, None, :, None].expand(B, Hq, W, D))
+    q = queries.float().reshape(B, Hkv, (Hq // Hkv) * W, D)
+    seen = (positions >= 0)[:, None, None, :].expand(B, Hkv, Hq // Hkv, W).reshape(B, Hkv, -1)
+    qp = positions[:, None, None, :].expand(B, Hkv, Hq // Hkv, W).reshape(B, Hkv, -1)
     logits = torch.einsum("bhud,bhsd->bhus", q, obs.keys.float()) * obs.scale
     if obs.log_weights is not None:
         logits = logits + obs.log_weights[:, :, None, :]

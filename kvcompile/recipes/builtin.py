@@ -171,7 +171,7 @@ _BUILTIN = [
                     "curvature segmentation (no hidden states here); binary trees of contiguous halves instead of "
                     "hierarchical clustering; post-RoPE mean keys (methods see no RoPE to undo); relevance = SnapKV's "
                     "window attention, no graph propagation; head sensitivity 1; split gain R_p D_p - sum R_c D_c; "
-                    "SnapKV's pinned window kept exactly"),
+                    "SnapKV's pinned window kept exactly; distortion on the 8 newest window queries"),
     Recipe("gracekv-unmerged", "snapkv", "gracekv", {"window": 32, "kernel": 7},
            {"slot": 64, "beta": 0.1, "merged": False}, source="gracekv's allocation without merging (control)",
            provenance="control", inferred="each prototype replaced by its most relevant token, unweighted"),
