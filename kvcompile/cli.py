@@ -172,11 +172,12 @@ def _fidelity(args) -> int:
         with store:
             written = store.add(stored)
         print(f"results store {args.store}: {written} of {len(stored)} window rows written", file=sys.stderr)
-    print(f"{'recipe':<16}{'budget':>7}{'drop mass':>10}{'attn err':>9}{'KL mean':>9}{'KL p99':>8}{'KL max':>8}"
-          f"{'top1':>6}{'PPL':>8}{'PPL full':>9}{'greedy':>7}")
+    print(f"{'recipe':<16}{'budget':>7}{'drop mass':>10}{'attn err':>9}{'merged':>8}{'KL mean':>9}{'KL p99':>8}"
+          f"{'KL max':>8}{'top1':>6}{'PPL':>8}{'PPL full':>9}{'greedy':>7}")
     for r in rows:
         g = f"{r['greedy_agree']:.2f}" if r["greedy_agree"] is not None else "-"
-        print(f"{r['recipe']:<16}{r['budget']:>7}{r['dropped_mass']:>10.3f}{r['attn_rel_err']:>9.3f}{r['kl_mean']:>9.4f}"
+        print(f"{r['recipe']:<16}{r['budget']:>7}{r['dropped_mass']:>10.3f}{r['attn_rel_err']:>9.3f}"
+              f"{r['attn_rel_err_merged']:>8.3f}{r['kl_mean']:>9.4f}"
               f"{r['kl_p99']:>8.3f}{r['kl_max']:>8.2f}{r['top1']:>6.3f}{r['ppl']:>8.2f}{r['ppl_full']:>9.2f}{g:>7}")
     return 0
 

@@ -133,7 +133,8 @@ def plan_memory(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
 
 STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary,
               "prototypes": plan_prototypes, "memory": plan_memory}
-WEIGHTED_STRATEGIES = frozenset({"tail-summary", "prototypes", "memory"})  # strategies whose plans write weighted entries (``cache.weights``)
+# strategies whose plans write weighted entries (``cache.weights``)
+WEIGHTED_STRATEGIES = frozenset({"tail-summary", "prototypes", "memory"})
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,

@@ -14,10 +14,11 @@ from conftest import left_padded_batch
 import kvcompile
 
 
-@pytest.mark.parametrize("recipe", ["certkv", "snapkv+int4"])
+@pytest.mark.parametrize("recipe", ["certkv", "snapkv+int4", "gracekv", "core"])
 def test_export_load_in_fresh_process_generates_same_tokens(llama_cm, tmp_path, recipe):
-    """Over model-dtype pages holding weighted entries (CertKV's summaries: the log-weight channel is an input of
-    every program, its pages a dimension of their own), and over int4 ones (the format pool is an input too)."""
+    """Over model-dtype pages holding weighted entries (CertKV's summaries, GraceKV's prototypes, CORE's memory: the
+    log-weight channel is an input of every program, its pages a dimension of their own), and over int4 ones (the
+    format pool is an input too)."""
     cm = kvcompile.apply(llama_cm, budget=0.5, recipe=recipe, page_size=4)
     ids, mask = left_padded_batch([40, 25], total=40)
     expected = cm.generate(ids, mask, max_new_tokens=12, eos_token_id=[])

@@ -6,7 +6,10 @@ context token and ``scored`` continuation tokens are teacher-forced over the com
 
 - Local, per layer and KV head (oracle-style: the continuation's queries as computed with the full cache):
   dropped attention mass ``m`` = attention the evicted tokens received, and the attention-output relative error
-  ``|o' - o| / |o|`` with ``o' = (o - sum_evicted a_j v_j) / (1 - m)`` (the kept weights renormalised).
+  ``|o' - o| / |o|`` with ``o' = (o - sum_evicted a_j v_j) / (1 - m)`` (the kept weights renormalised): the
+  selection alone; and the same error over what the compressed cache holds (merged values, summaries and
+  prototypes with their weights): ``merge_recovery`` = 1 - the second / the first, the share of the selection's
+  error the merge step recovers (0 for eviction alone, negative where merging hurts; ``output_errors``).
 - End to end: next-token KL(full || compressed) (mean, p99, max), top-1 agreement, perplexity of both over every
   scored token, and greedy agreement over ``greedy_tokens`` free-running tokens (first window only).
 - ``oracle``: keeps the context tokens the continuation's queries attend to most (future attention, summed over
@@ -24,6 +27,7 @@ from tqdm import tqdm
 
 import kvcompile
 
+from ..methods import Observation
 from ..observation import observe
 from ..recipes import Recipe, get_recipe
 from ..model import CompressedModel
@@ -60,29 +64,61 @@ def summarize(parts: list[dict]) -> dict:
     }
 
 
-def local_errors(probe: CompressedModel, kept: CompressedModel, n_compressed: int) -> tuple[Tensor, Tensor]:
-    """Dropped attention mass and attention-output relative error, each [L, Hkv] (mean over observed queries).
+def local_errors(probe: CompressedModel, kept: CompressedModel, n_compressed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Dropped attention mass, and attention-output relative error without and with the merge step, each [L, Hkv]
+    (mean over observed queries; ``output_errors`` per layer).
 
     ``probe`` holds the full context then the continuation and observed the continuation's queries; ``kept`` is
     the compressed cache (its first ``n_compressed`` positions were subject to compression)."""
-    mass, err = [], []
+    rows = []
     for layer in probe.programs.layers:
-        obs = observe(probe.cache, layer)
-        attn = obs.window_attention()  # [B, Hq, W, S]
-        _, _, pos_c, valid_c = kept.cache.dense(layer.index)
-        held = ((obs.positions[..., :, None] == pos_c[..., None, :]) & valid_c[..., None, :]).any(-1)
-        evicted = obs.valid & ~held & (obs.positions < n_compressed)  # [B, Hkv, S]
-        group = attn.shape[1] // evicted.shape[1]
-        ev = evicted.repeat_interleave(group, 1)[:, :, None, :].float()
-        values = obs.values.float().repeat_interleave(group, 1)  # [B, Hq, S, D]
-        m = (attn * ev).sum(-1)  # [B, Hq, W]
-        o = attn @ values
-        o_kept = (o - (attn * ev) @ values) / (1 - m).clamp_min(1e-6)[..., None]
-        rel = (o_kept - o).norm(dim=-1) / o.norm(dim=-1).clamp_min(1e-12)
-        B, Hkv = evicted.shape[:2]
-        mass.append(m.mean((0, 2)).reshape(Hkv, group).mean(-1))
-        err.append(rel.mean((0, 2)).reshape(Hkv, group).mean(-1))
-    return torch.stack(mass), torch.stack(err)
+        keys, values, positions, valid = kept.cache.dense(layer.index)
+        held = Observation(keys, values, positions, valid, *[None] * 2, 0.0, 0, layer.index, 0,
+                           log_weights=kept.cache.log_weights(layer.index))
+        rows.append(output_errors(observe(probe.cache, layer), held, n_compressed))
+    return tuple(torch.stack(x) for x in zip(*rows))
+
+
+def output_errors(full: Observation, held: Observation, n_compressed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For the queries ``full`` observed (over the full cache), per KV head [Hkv] (mean over queries, rows and
+    each GQA group):
+
+    - the attention mass the dropped tokens received: the full cache's tokens below ``n_compressed`` that ``held``
+      (the compressed cache's dense view; its queries unused) does not hold as they were (same position, same key);
+    - the selection's error ``|o' - o| / |o|``, ``o'`` over the tokens held as they were, their weights renormalised:
+      eviction alone;
+    - the compressed cache's error: ``o'`` the attention over what ``held`` really holds (merged values, summary and
+      prototype entries with their log-weights), plus the full cache's tokens from ``n_compressed`` on.
+
+    Their gap is what the merge step recovers of the selection's error (0 for a recipe that only evicts)."""
+    B, Hkv, S, D = full.keys.shape
+    same = (full.positions[..., :, None] == held.positions[..., None, :]) & full.valid[..., :, None] \
+        & held.valid[..., None, :]
+    b, h, i, j = same.nonzero(as_tuple=True)
+    exact = (full.keys[b, h, i] == held.keys[b, h, j]).all(-1)
+    kept = torch.zeros_like(full.valid).index_put_((b[exact], h[exact], i[exact]), torch.ones_like(exact[exact]))
+    attn = full.window_attention()  # [B, Hq, W, S]
+    group = attn.shape[1] // Hkv
+    evicted = full.valid & ~kept & (full.positions < n_compressed)
+    ev = evicted.repeat_interleave(group, 1)[:, :, None, :].float()
+    values = full.values.float().repeat_interleave(group, 1)  # [B, Hq, S, D]
+    m = (attn * ev).sum(-1)  # [B, Hq, W]
+    o = attn @ values
+    o_kept = (o - (attn * ev) @ values) / (1 - m).clamp_min(1e-6)[..., None]
+    later = full.valid & (full.positions >= n_compressed)  # the continuation: never compressed
+    weights = torch.zeros(B, Hkv, held.keys.shape[2], device=o.device) if held.log_weights is None else held.log_weights
+    both = Observation(torch.cat([held.keys.float(), full.keys.float()], 2),
+                       torch.cat([held.values.float(), full.values.float()], 2),
+                       torch.cat([held.positions, full.positions], 2), torch.cat([held.valid, later], 2),
+                       full.queries, full.query_positions, full.scale, full.window, full.layer, full.num_layers,
+                       log_weights=torch.cat([weights, torch.zeros(B, Hkv, S, device=o.device)], 2))
+    o_held = both.window_attention() @ both.values.repeat_interleave(group, 1)
+
+    def per_head(x):  # [B, Hq, W] -> [Hkv]
+        return x.mean((0, 2)).reshape(Hkv, group).mean(-1)
+
+    norm = o.norm(dim=-1).clamp_min(1e-12)
+    return (per_head(m), per_head((o_kept - o).norm(dim=-1) / norm), per_head((o_held - o).norm(dim=-1) / norm))
 
 
 def prose_windows(tokenizer, n_windows: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -124,7 +160,8 @@ def measure(
     probe_recipe = Recipe("oracle-probe", "oracle", scorer_args={"window": scored})
     base_model = kvcompile.apply(cm, budget=1.0, recipe=probe_recipe)
     cells = [(r, b) for r in recipes for b in budgets] + ([(ORACLE, b) for b in budgets] if oracle else [])
-    acc: dict[int, dict] = {i: {"parts": [], "mass": [], "err": [], "windows": []} for i in range(len(cells))}
+    acc: dict[int, dict] = {i: {"parts": [], "mass": [], "err": [], "merged": [], "windows": []}
+                            for i in range(len(cells))}
     texts = prose_windows(tokenizer, windows, context + scored, seed)
     bar = tqdm(total=len(texts) * len(cells), disable=not progress, desc="fidelity")
     for w, ids in enumerate(texts):
@@ -149,9 +186,10 @@ def measure(
             kept = base_model.fork(recipe, budget)
             kept.compress()
             stats = kept.cache_stats()
-            mass, err = local_errors(probe, kept, context - 1)
+            mass, err, merged = local_errors(probe, kept, context - 1)
             acc[i]["mass"].append(mass)
             acc[i]["err"].append(err)
+            acc[i]["merged"].append(merged)
             if full_greedy is not None:
                 g = kept.fork()
                 ours = greedy(g, read_question(g, ctx[-1:]), greedy_tokens)
@@ -168,7 +206,7 @@ def measure(
     rows = []
     for i, (recipe, budget) in enumerate(cells):
         a = acc[i]
-        mass, err = torch.stack(a["mass"]).mean(0), torch.stack(a["err"]).mean(0)
+        mass, err, merged = (torch.stack(a[k]).mean(0) for k in ("mass", "err", "merged"))
         held = [w["bytes_held"] for w in a["windows"]]
         rows.append({
             "recipe": recipe.tag,
@@ -178,9 +216,12 @@ def measure(
             "greedy_first_diff": a.get("greedy_first_diff"),
             "dropped_mass": float(mass.mean()),
             "attn_rel_err": float(err.mean()),
+            "attn_rel_err_merged": float(merged.mean()),
+            "merge_recovery": 1 - float(merged.mean()) / max(float(err.mean()), 1e-12),
             "bytes_held_mean": sum(held) / len(held),
             "dropped_mass_layer_head": mass.tolist(),
             "attn_rel_err_layer_head": err.tolist(),
+            "attn_rel_err_merged_layer_head": merged.tolist(),
             "context_tokens": context,
             "windows": len(texts),
             "per_window": a["windows"],  # the results store's rows (``store_rows``)

@@ -64,7 +64,8 @@ class Core(Allocator):
         x = unit.pow(2).sum(-1) / self.delta  # k^T A^-1 k with A = delta I
         kept = torch.zeros_like(quality, dtype=torch.bool)
         for step in range(int(counts.max())):
-            gain = (quality + self.gamma * (self.delta * (1 + x)).clamp_min(_TINY).log()).masked_fill(kept, -float("inf"))
+            gain = (quality + self.gamma * (self.delta * (1 + x)).clamp_min(_TINY).log()).masked_fill(
+                kept, -float("inf"))
             pick = gain.argmax(-1)  # [B, Hkv]
             live = (step < counts) & (gain.gather(-1, pick[..., None])[..., 0] > -float("inf"))
             kept.scatter_(-1, pick[..., None], live[..., None])

@@ -22,17 +22,18 @@ _DROPPED = 2.0  # distortion of a dropped node: no partition and no output (lamb
 class GraceKV(Allocator):
     """Prototype trees and a global greedy allocation (METHODS.md section 10, steps 2, 3 and 6).
 
-    Each head's tokens (pinned ones aside, when they fit: kept exactly, charged first) form slots of ``slot`` tokens in position
-    order; each slot is a binary tree of contiguous halves down to single tokens. A node's prototype: key the mean
-    of its keys, value the mean of its values weighted by relevance + beta (beta = 0.1 x the head's mean relevance),
-    position the rounded mean position, log-weight log m_eff with m_eff = clamp(n hbar^2, 1, n), hbar = |mean k| /
-    (mean |k| + eps): n identical keys give m_eff = n, so the entry draws exactly the attention of its n tokens. Its
-    distortion D (step 3) over the observed window queries u, weighted by the node's attention mass under each:
-    (Z - Z~)^2 / (Z^2 + eps) + |M - M~|^2 / (|M|^2 + eps) (Z the node's attention partition, M its weighted value
-    sum, ~ for the prototype). A node's error is R x D (R: its share of the scorer's attention mass; a dropped slot
-    has D = 2). The greedy pops the best gain per entry: coverage (R (2 - D_root), 1 entry) or a split (R D_parent
-    - sum R_c D_c, children - 1 entries; the probes: the ``probes`` newest observed queries), every slot's root first while the budget holds one per slot (the singleton
-    floor), each action only if the row's pages still fit. Single-token nodes are kept as the original tokens.
+    Each head's tokens (pinned ones aside, when they fit: kept exactly, charged first) form slots of ``slot``
+    tokens in position order; each slot is a binary tree of contiguous halves down to single tokens. A node's
+    prototype: key the mean of its keys, value the mean of its values weighted by relevance + beta (beta = 0.1 x
+    the head's mean relevance), position the rounded mean position, log-weight log m_eff with m_eff = clamp(n
+    hbar^2, 1, n), hbar = |mean k| / (mean |k| + eps): n identical keys give m_eff = n, so the entry draws exactly
+    the attention of its n tokens. Its distortion D (step 3) over the probe queries u (the ``probes`` newest
+    observed queries, each with its GQA group), weighted by the node's attention mass under each: (Z - Z~)^2 /
+    (Z^2 + eps) + |M - M~|^2 / (|M|^2 + eps) (Z the node's attention partition, M its weighted value sum, ~ for the
+    prototype). A node's error is R x D (R: its share of the scorer's attention mass; a dropped slot has D = 2).
+    The greedy pops the best gain per entry: coverage (R (2 - D_root), 1 entry) or a split (R D_parent - sum R_c
+    D_c, children - 1 entries), every slot's root first while the budget holds one per slot (the singleton floor),
+    each action only if the row's pages still fit. Single-token nodes are kept as the original tokens.
 
     With ``merged=False`` (a control: the same allocation without merging), every prototype of several tokens is
     replaced by its most relevant token, unweighted, at the same cost.
@@ -166,7 +167,8 @@ class GraceKV(Allocator):
                 several = sel & (level["count"] > 1)
                 member = level["index"][..., 0]  # a node's members come first in it
                 if not self.merged:  # the most relevant member stands, unweighted, for every chosen node
-                    several, member = torch.zeros_like(several), level["index"].gather(-1, level["best"][..., None])[..., 0]
+                    several = torch.zeros_like(several)
+                    member = level["index"].gather(-1, level["best"][..., None])[..., 0]
                 single = sel & ~several
                 kept[i] |= torch.zeros_like(kept[i]).scatter_reduce(-1, member.clamp_max(kept.shape[-1] - 1), single,
                                                                    "amax")
