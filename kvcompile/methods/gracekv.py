@@ -167,8 +167,8 @@ class GraceKV(Allocator):
                 several = sel & (level["count"] > 1)
                 member = level["index"][..., 0]  # a node's members come first in it
                 if not self.merged:  # the most relevant member stands, unweighted, for every chosen node
-                    several = torch.zeros_like(several)
-                    member = level["index"].gather(-1, level["best"][..., None])[..., 0]
+                    several, member = torch.zeros_like(several), level["index"].gather(
+                        -1, level["best"][..., None])[..., 0]
                 single = sel & ~several
                 kept[i] |= torch.zeros_like(kept[i]).scatter_reduce(-1, member.clamp_max(kept.shape[-1] - 1), single,
                                                                    "amax")
