@@ -161,7 +161,10 @@ class Allocator:
     ``TOKENS`` (default): keep each head's top ``allocate`` tokens. ``PAGES``: ``allocate`` gets page scores (the
     max over each page's tokens), pages held and a budget in pages, returns pages, and whole pages are kept or
     evicted. ``TAIL_SUMMARY``: a head that evicts spends the last of its counted slots on one new entry that
-    summarises its evicted tail, which ``summarize`` computes."""
+    summarises its evicted tail, which ``summarize`` computes. ``prototypes`` (GraceKV): the allocator's
+    ``prototypes`` returns the kept tokens and the weighted entries that stand for the others. ``memory`` (CORE):
+    per-head counts as ``TOKENS``, the allocator's ``retain`` keeps tokens by its own rule and ``summarize`` writes up
+    to ``memory`` weighted entries of what it evicts. The last three write weighted entries (``cache.weights``)."""
 
     strategy: ClassVar[str] = "tokens"
 
