@@ -47,7 +47,7 @@ class StepUnits(Scorer):
         entry_seg = at_positions(seg, obs)  # [B, Hkv, S]
         utility = self.utility(obs, seg, K, attn)  # [B, K]
         current = segments_of_queries(obs, seg, K, recent)  # first, the newest first
-        unit = torch.where(current, 1e12 + torch.arange(K, device=seg.device), utility.double())
+        unit = torch.where(current, 1e12 + torch.arange(K, device=seg.device, dtype=torch.float64), utility.double())
         seg_rank = descending_rank(unit).gather(1, entry_seg.flatten(1)).view_as(entry_seg)
         saliency = pool_groups(attn, obs.keys.shape[1]).masked_fill(~obs.valid, float("-inf"))
         within = descending_rank(saliency)
@@ -141,7 +141,7 @@ class CommitKV(StepUnits):
     ones, each tier by after effect per token."""
 
     window: int = 32
-    commit_tokens: int = 16
+    commit_tokens: int = 4
     epsilon: float = 0.01
     horizon: int = 8192
 
@@ -169,7 +169,7 @@ class CommitKV(StepUnits):
         """[B, K] each segment's effect before its next commit, and after (0 where not measured)."""
         q_seg, in_commit = commit_queries(obs, seg, K, self.commit_tokens)
         recent = newest(obs, self.window)[None, :] & (obs.query_positions >= 0)  # [B, W]
-        mass = query_mass(obs, seg, K)  # [B, W, K]
+        mass = query_mass(obs, seg, K, (in_commit | recent).any(0))  # [B, W, K]
         target = (q_seg - 1).clamp_min(0)  # the queries of segment g + 1's commit measure segment g
         on_prev = mass.gather(2, target[..., None]).squeeze(-1) * in_commit
         B = seg.shape[0]
@@ -241,14 +241,15 @@ def commits_observed(obs: Observation, seg: Tensor, K: int, commit_tokens: int) 
     return hits > 0
 
 
-def query_mass(obs: Observation, seg: Tensor, K: int) -> Tensor:
+def query_mass(obs: Observation, seg: Tensor, K: int, slots: Tensor | None = None) -> Tensor:
     """[B, W, K] the attention mass each observed query pays each segment (mean over query heads), 256 queries at a
-    time."""
+    time; only the window ``slots`` [W] (bool) when given, 0 for the others."""
     B, Hkv = obs.keys.shape[:2]
     G = obs.queries.shape[1] // Hkv
     entry_seg = at_positions(seg, obs)
     mass = torch.zeros(B, obs.query_positions.shape[1], K, device=seg.device)
-    for queries in obs.query_blocks(256):
+    blocks = obs.query_blocks(256) if slots is None else slots.nonzero().squeeze(1).split(256)
+    for queries in blocks:
         attn = obs.window_attention(queries)  # [B, Hq, w, S]
         per_head = attn.reshape(B, Hkv, G, *attn.shape[2:]).mean(2)  # [B, Hkv, w, S]
         index = entry_seg[:, :, None, :].expand_as(per_head)
