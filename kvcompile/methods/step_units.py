@@ -74,7 +74,8 @@ class StepKV(StepUnits):
 class ReCo(StepUnits):
     """ReCo (inferred): StepKV's utility times a step reward. No process reward model is run: the cheap step-quality
     estimate (``reward="progress"``) is how much the queries of later steps (of the last ``horizon``) attend to the
-    step, per query and per token of the step, scaled to [0, 1] by the best step; ``reward="constant"`` gives StepKV's ranking exactly.
+    step, per query and per token of the step, scaled to [0, 1] by the best step; ``reward="constant"`` gives
+    StepKV's ranking exactly.
     The reflection penalty (off by default) multiplies the reward of a step holding one of ``reflection`` (token-id
     sequences of "Wait", "let me check"...; ``recipes.steps.resolve`` spells them for a tokenizer) by
     ``1 - penalty``. ReCo's early stop is a generation option, not part of its compression (not implemented)."""
