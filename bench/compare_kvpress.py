@@ -277,7 +277,7 @@ def _separate(cm, tok, recipe, budgets, data) -> list[dict]:
     import kvcompile
     from kvcompile.eval.decoding import greedy, ids_tensor, read_question
     from kvcompile.eval.fidelity import next_token_metrics, summarize
-    from kvcompile.eval.synthetic import string_match_all
+    from kvcompile.eval.samples import string_match_all
 
     eos = {t for t in (tok.eos_token_id, getattr(cm.generation_config, "eos_token_id", None)) if isinstance(t, int)}
     refs = []

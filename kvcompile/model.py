@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from . import checks, observation, rerotation
+from . import checks, observation, rerotation, segments as segmenting
 from .budget import Budget
 from .cache import PagedKVCache
 from .compress import WEIGHTED_STRATEGIES, compress as compress_cache
@@ -140,7 +140,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
 
     # ------------------------------------------------------------------ prefill
     def prefill(
-        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True, logits: str = "all"
+        self, input_ids: Tensor, attention_mask: Tensor | None = None, *, compress: bool = True, logits: str = "all",
+        segments=None, tokenizer=None,
     ) -> Tensor:
         """Append a prompt to the cache and return its logits: [B, T, V], or [B, 1, V] with ``logits="last"``.
 
@@ -149,13 +150,18 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         padding (``attention_mask == 0``) is never stored. A later call appends (multi-turn); the budget is then
         measured against every token prefilled with ``compress=True``. With ``compress=False`` nothing is evicted
         and the observed queries are kept for a later ``compress()`` (or a ``fork`` that compresses).
+
+        ``segments`` splits this prompt into the steps a step-level recipe keeps as units (``kvcompile.segments``):
+        ``(start, end)`` spans or boundaries in its token positions, or a rule (``"blank-lines"``, ``"tool-calls"``)
+        over its text, which needs ``tokenizer``.
         """
         if logits not in ("all", "last"):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         real = self._check(input_ids, attention_mask)
+        starts = None if segments is None else segmenting.boundaries(segments, input_ids, real.cpu(), tokenizer)
         self._refuse_without_question(compress)
         with self._changing():
-            return self._prefill(input_ids, real, compress, logits)
+            return self._prefill(input_ids, real, compress, logits, segments=starts)
 
     def _check(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The real-token mask of a batch that extends the cache, on the device, after ``checks.tokens``."""
@@ -163,9 +169,12 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
                              rows=self.cache.batch_size or None, seen=self.seen, max_positions=self.spec.max_positions)
         return real.to(self.device)
 
-    def _prefill(self, input_ids: Tensor, real: Tensor, compress: bool, logits: str, pending: bool = True) -> Tensor:
+    def _prefill(self, input_ids: Tensor, real: Tensor, compress: bool, logits: str, pending: bool = True,
+                 segments: Tensor | None = None) -> Tensor:
         if self.seen is None:
             self._start(input_ids.shape[0])
+        if segments is not None:
+            self.cache.mark_segments(segments)
         if compress:
             self.context_tokens = self.context_tokens + real.sum(1)
         chunk = self.prefill_chunk or input_ids.shape[1]
@@ -236,7 +245,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         context_mask: Tensor | None = None, max_new_tokens: int = 32, do_sample: bool = False,
         temperature: float = 1.0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None, generator: torch.Generator | None = None,
-        draft: CompressedModel | None = None, draft_tokens: int = 4,
+        draft: CompressedModel | None = None, draft_tokens: int = 4, segments=None, tokenizer=None,
     ) -> Tensor:
         """Generate up to ``max_new_tokens`` after ``input_ids``; returns [B, T + new] (input then new tokens).
 
@@ -247,6 +256,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         the first eos id). With a ``draft`` (another ``CompressedModel`` over the same vocabulary, one sequence),
         decoding is speculative (``speculative``): the draft proposes ``draft_tokens`` at a time, this model verifies
         them in one call and rolls both caches back; the output is distributed as this model's alone.
+        ``segments`` (and ``tokenizer`` for a rule) split the prompt read first, ``context_ids`` when given, else
+        ``input_ids``, as ``prefill`` takes them.
         """
         if eos_token_id is None and self.generation_config is not None:
             eos_token_id = self.generation_config.eos_token_id
@@ -254,6 +265,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
         context_real, real = checks.prompt(input_ids, attention_mask, context_ids, context_mask, max_new_tokens,
                                            vocab_size=self.programs.vocab_size, max_positions=self.spec.max_positions)
+        first = (input_ids, real) if context_ids is None else (context_ids, context_real)
+        starts = None if segments is None else segmenting.boundaries(segments, first[0], first[1].cpu(), tokenizer)
         self._refuse_without_question(context_ids is None)
         self._check_draft(draft, draft_tokens, input_ids, attention_mask, context_ids, context_mask, max_new_tokens)
         if self.schedule is not None and max_new_tokens > 1:
@@ -261,7 +274,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self.reset()
         sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator)
         with self._changing():
-            logits = self._read_prompt(input_ids, real.to(self.device), context_ids, context_real)
+            logits = self._read_prompt(input_ids, real.to(self.device), context_ids, context_real, starts)
             if self.schedule is None:  # one reservation for the whole generation (a schedule reserves its own)
                 self.cache.reserve(max_new_tokens)
             eos, prompt = torch.tensor(eos, device=self.device), (input_ids, real, context_ids, context_real)

@@ -3,8 +3,8 @@
 A method declares its sources (``methods.sources.Source``: ``Scorer.sources``); ``check`` refuses, at ``apply``, any
 source the runtime cannot supply yet (hidden states, an extra pass, gradients); ``observe`` builds a layer's
 ``Observation`` from the cache (held keys, values and positions; the ring's queries; the token ids it logs for
-``ContextTokens``) and the layer's weights (``LayerWeights``: W_O, found in the graph); ``reconstructing`` runs a
-``Reconstruction`` source's prompt around one compression (KVzip); ``reads_question`` tells ``generate`` to read the
+``ContextTokens``; the caller's segments for ``Segments``) and the layer's weights (``LayerWeights``: W_O, found in
+the graph); ``reconstructing`` runs a ``Reconstruction`` source's prompt around one compression (KVzip); ``reads_question`` tells ``generate`` to read the
 context unobserved and compress after the question (FINCH's ``Question``).
 """
 
@@ -16,10 +16,11 @@ from torch import Tensor
 
 from .cache import PagedKVCache
 from .methods import Observation
-from .methods.sources import ContextTokens, LayerWeights, Question, QueryWindow, Reconstruction, Source
+from .methods.sources import ContextTokens, LayerWeights, Question, QueryWindow, Reconstruction, Segments, Source
+from .segments import segment_of
 from .spec import LayerSpec
 
-SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question)
+SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments)
 
 
 def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] = ()) -> None:
@@ -63,6 +64,7 @@ def observe(cache: PagedKVCache, layer: LayerSpec) -> Observation:
     return Observation(
         keys, values, positions, valid, ring.queries[layer.index], ring.positions, layer.scale, layer.window,
         layer.index, cache.num_layers, ids, layer.weights, cache.log_weights(layer.index),
+        segment_of(cache.segment_starts, int(cache.seen.max())) if cache.segment_starts.shape[1] else None,
     )
 
 

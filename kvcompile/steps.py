@@ -29,17 +29,19 @@ class Steps:
         yield
         self._torn = False
 
-    def _read_prompt(self, input_ids: Tensor, real: Tensor, context_ids: Tensor | None, context_real: Tensor | None):
+    def _read_prompt(self, input_ids: Tensor, real: Tensor, context_ids: Tensor | None, context_real: Tensor | None,
+                     segments: Tensor | None = None):
         """``generate``'s prefill; returns the last logits. The context, when given, is compressed before the question
         is read. A scorer that reads the ``Question`` (FINCH) instead reads the context unobserved and the question
         observed, then compresses both, the budget counting both: its window holds the question's queries alone."""
         asks = self.reads_question
         if context_ids is not None:
             context_real = context_real.to(self.device)
-            self._prefill(context_ids, context_real, not asks, "last", pending=not asks)
+            self._prefill(context_ids, context_real, not asks, "last", pending=not asks, segments=segments)
             if asks:  # the budget counts the context too
                 self.context_tokens = self.context_tokens + context_real.sum(1)
-        logits = self._prefill(input_ids, real, context_ids is None or asks, "last", pending=False)
+        logits = self._prefill(input_ids, real, context_ids is None or asks, "last", pending=False,
+                               segments=segments if context_ids is None else None)
         self.query_aware = context_ids is None or self.recipe.query_aware
         return logits
 

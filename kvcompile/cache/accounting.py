@@ -72,7 +72,7 @@ class ByteAccounting:
             "page_pos": (self.page_pos, "positions"), "page_lw": (self.page_lw, "pages"),
             "page_table": (self.page_table, "tables"), "lengths": (self.lengths, "tables"),
             "n_pages": (self.n_pages, "tables"), "seen": (self.seen, "tables"),
-            "token_ids": (self.token_ids, "tables"),
+            "token_ids": (self.token_ids, "tables"), "segment_starts": (self.segment_starts, "tables"),
             "ring.queries": (self.ring.queries, "ring"), "ring.positions": (self.ring.positions, "ring"),
             **{name: (getattr(self, name), kind) for name, kind in zip(FORMAT_TENSORS, FORMAT_KINDS)},
         }

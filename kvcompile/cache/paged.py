@@ -10,6 +10,7 @@ Layout (shape letters: L layers, B batch rows, Hkv KV heads, P page size, D head
     n_pages          : [L, B, Hkv] int64     pages head (l, b, h) owns (its length's pages plus reserved room)
     seen             : [B] int64             tokens row b has read: the position of its next token
     token_ids        : [B, C] int64          the token read at each position (``keep_ids`` only; C >= seen)
+    segment_starts   : [B, K] int64          where the caller's segments start (``mark_segments``; -1 = none)
     ring             : ``QueryRing``         the last queries of each layer (``cache.ring``)
     fmt_*            : the format pool       entries stored in the cache's ``page_format`` (``formatted``)
 
@@ -79,6 +80,7 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
         self.register_buffer("n_pages", torch.zeros(L, 0, Hkv, dtype=torch.int64, device=dev))
         self.register_buffer("seen", torch.zeros(0, dtype=torch.int64, device=dev))
         self.register_buffer("token_ids", torch.zeros(0, 0, dtype=torch.int64, device=dev))
+        self.register_buffer("segment_starts", torch.zeros(0, 0, dtype=torch.int64, device=dev))
         for name in FORMAT_TENSORS:
             self.register_buffer(name, torch.zeros(0, device=dev))
         self._empty_format_pool(0)
@@ -114,6 +116,7 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
         self.n_pages = self.n_pages.new_zeros(L, batch_size, Hkv)
         self.seen = self.seen.new_zeros(batch_size)
         self.token_ids, self.logged = self.token_ids.new_zeros(batch_size, 0), 0
+        self.segment_starts = self.segment_starts.new_zeros(batch_size, 0)
         self.ring.setup(batch_size)
         self._empty_format_pool(batch_size)
         self.room, self.peaks, self.appended = 0, {}, 0
@@ -161,6 +164,13 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
             return
         row, t = (q_pos >= 0).nonzero(as_tuple=True)
         self.token_ids[row, q_pos[row, t]] = ids.to(self.device)[row, t]
+
+    def mark_segments(self, starts: Tensor) -> None:
+        """Record segment starts [B, K] given relative to each row's next token (``seen``; -1 = none): the tokens
+        the next step appends are split there (``segments``)."""
+        starts = starts.to(self.device)
+        absolute = torch.where(starts >= 0, starts + self.seen[:, None], -1)
+        self.segment_starts = torch.cat([self.segment_starts, absolute], 1)
 
     def observe(self, window: int, exact: bool = False) -> None:
         """Keep at most ``window`` queries in the ring (0 releases it): what the methods that read queries still

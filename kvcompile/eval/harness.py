@@ -8,7 +8,8 @@ their question; this model does neither:
   positions. Choices that share a context share one compressed prefill (``CompressedModel.fork``).
 - ``generate_until``: compress the context, then read the question and decode greedily. The boundary is
   ``SEPARATOR`` in the prompt (the kvcompile tasks put it there; the character itself is never fed to the model).
-  Without it the whole prompt is compressed after prefill: query-aware, and the results say so.
+  Without it the whole prompt is compressed after prefill: query-aware, and the results say so. A task's
+  ``generation_kwargs: {segments: blank-lines}`` (or ``tool-calls``) segments the context for step-level recipes.
 - ``loglikelihood_rolling``: streaming with eviction: the document is read ``rolling_chunk`` tokens at a time,
   compressing after each chunk, so the cache holds about the budget plus one chunk while perplexity is measured.
 
@@ -242,7 +243,8 @@ class KVCompileLM(DataParallel, TemplateLM):
         eos_text = self.tokenizer.decode([self.eot_token_id])
         for req in tqdm(requests, disable=disable_tqdm, desc="kvcompile generate_until"):
             text, gen_kwargs = req.args
-            kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+            segments = gen_kwargs.get("segments")  # a task's rule for step-level recipes (kvcompile.segments)
+            kwargs = normalize_gen_kwargs({k: v for k, v in gen_kwargs.items() if k != "segments"}, self.max_gen_toks)
             if kwargs.get("do_sample"):
                 raise ValueError("the kvcompile lm-eval model decodes greedily; set do_sample=false for this task")
             until = handle_stop_sequences(kwargs.get("until"), eos=eos_text)
@@ -257,7 +259,8 @@ class KVCompileLM(DataParallel, TemplateLM):
             t0 = time.perf_counter()
             self.cm.reset()
             with torch.no_grad():
-                logits = self.cm.prefill(ids_tensor(ctx_ids, self.device), logits="last")[0, -1]
+                logits = self.cm.prefill(ids_tensor(ctx_ids, self.device), logits="last", segments=segments,
+                                         tokenizer=self.tokenizer)[0, -1]
             compressed = self.cm.cache_stats()
             if q_ids:
                 logits = read_question(self.cm, q_ids)

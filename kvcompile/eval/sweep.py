@@ -30,6 +30,7 @@ from . import report
 from .decoding import answer, encode, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
 from .store import VALUES, Store, cell_keys
+from .step_tasks import task_segments
 from .synthetic import get_task, make_sample
 from .uor import held_uor
 
@@ -133,11 +134,14 @@ class Sweeper:
         and ``cells_s``."""
         task = get_task(task_name)
         sample = make_sample(task, self.tokenizer, self.length, seed=self.seed, index=index)
-        context, question = (encode(self.tokenizer, t) for t in sample.prompt(self.tokenizer))
+        texts = sample.prompt(self.tokenizer)
+        context, question = (encode(self.tokenizer, t) for t in texts)
+        segments = task_segments(task, sample, self.tokenizer, texts[0])  # for recipes that keep steps as units
         t0 = time.perf_counter()
         self.base.reset()
         with torch.no_grad():
-            self.base.prefill(ids_tensor(context, self.base.device), compress=False, logits="last")
+            self.base.prefill(ids_tensor(context, self.base.device), compress=False, logits="last", segments=segments,
+                              tokenizer=self.tokenizer)
         prefill_s = time.perf_counter() - t0
         reference, answers, rows, t0 = {}, {}, [], time.perf_counter()
         for i, ((recipe, budget), key) in enumerate(zip(self.cells, self.keys(task_name, index))):

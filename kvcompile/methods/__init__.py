@@ -9,6 +9,7 @@ from . import catekv, certkv, contourkv, core, gracekv, page_entrokv, ripplekv, 
 from . import cam, growpage, h2o_decode, inertiakv, random_attention, snapkv_decode  # noqa: F401  (decode time)
 from . import chunks, composed, per_layer, scorer_decode  # noqa: F401  (registration: kvpress's wrappers)
 from . import duoattention, simlayerkv, streaming_heads, transactional  # noqa: F401  (registration: by structure)
+from . import step_units  # noqa: F401  (registration: steps as units)
 from .base import ALLOCATORS, SCORERS, Allocator, Observation, Scorer
 
 __all__ = ["ALLOCATORS", "SCORERS", "Allocator", "Observation", "Scorer"]

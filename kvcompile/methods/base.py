@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from .sources import (  # noqa: F401  (the sources a method declares, importable from here)
-    ContextTokens, ExtraPass, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Source,
+    ContextTokens, ExtraPass, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Segments,
+    Source,
 )
 
 SCORERS: dict[str, type] = {}
@@ -46,7 +47,9 @@ class Observation:
     ``query_positions``, not the slot order); query_positions: [B, W], -1 where there was no query (short prompt,
     padding); scale: the layer's softmax scale; window: its sliding window (0 = none); token_ids, weights: what the
     ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them);
-    log_weights: [B, Hkv, S] each entry's log-weight (``cache.weights``; None: every entry is one token).
+    log_weights: [B, Hkv, S] each entry's log-weight (``cache.weights``; None: every entry is one token);
+    segments: [B, P] the segment index of every position read (P = the most any row read; ``Segments``; None when
+    the caller gave no segments: one segment).
     """
 
     keys: Tensor
@@ -62,6 +65,7 @@ class Observation:
     token_ids: Tensor | None = None
     weights: dict = field(default_factory=dict)
     log_weights: Tensor | None = None
+    segments: Tensor | None = None
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
         """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible); an

@@ -38,6 +38,13 @@ class ContextTokens(Source):
 
 
 @dataclass(frozen=True)
+class Segments(Source):
+    """The segment index of every position read so far: ``Observation.segments`` [B, P] (the caller's
+    ``segments=``, ``kvcompile.segments``; all 0 when none were given). Step-level methods keep or evict them as
+    units."""
+
+
+@dataclass(frozen=True)
 class LayerWeights(Source):
     """A weight of the layer, read from the captured graph: ``"o_proj"``, the attention output projection
     [hidden, Hq * D] (W_O), in ``Observation.weights``."""

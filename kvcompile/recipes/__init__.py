@@ -34,3 +34,4 @@ def recipes() -> dict[str, Recipe]:
 
 from .compose import WRAPPERS, compose, in_format, prefill_decoding  # noqa: E402  (compositions build on the recipes above)
 from . import anchors  # noqa: E402,F401  (TA's anchor patterns for a tokenizer: recipes.anchors.resolve)
+from . import reflection  # noqa: E402,F401  (ReCo's reflection markers for a tokenizer: recipes.reflection.resolve)

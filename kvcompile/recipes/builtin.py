@@ -258,6 +258,21 @@ _BUILTIN = [
            source="https://arxiv.org/abs/2609.03494", provenance="abstract",
            inferred="the method from a full-text summary; betas, working set, threshold, floor, max_share, "
                     "token-level eviction"),
+    # steps as retention units over the caller's segments (kvcompile.segments; METHODS §51, papers not found)
+    Recipe("stepkv", "stepkv", scorer_args={"window": 32}, source="METHODS.md §51 (StepKV; paper not found)",
+           provenance="description",
+           inferred="step utility = attention mass of the last 32 queries on the step per token; steps in that order "
+                    "as units, the current step first, the borderline step filled by the same attention"),
+    Recipe("commitkv", "commitkv", scorer_args={"window": 32, "commit_tokens": 4, "epsilon": 0.01, "horizon": 8192},
+           source="METHODS.md §51 (CommitKV; paper not found)", provenance="description",
+           inferred="a commit = the first 4 tokens of a segment (split by tool calls); deletion effect read as the "
+                    "attention mass on the segment, before (that commit's queries) and after (the last 32 queries); "
+                    "retire first when after <= 0.01 and after <= before; the first and current segments kept first"),
+    Recipe("reco", "reco", scorer_args={"window": 32, "reward": "progress", "horizon": 512},
+           source="METHODS.md §51 (ReCo; paper not found)", provenance="description",
+           inferred="no process reward model: the step reward is the attention later steps' queries (of the last "
+                    "512) pay the step, scaled by the best step, times StepKV's utility; reflection penalty off (an "
+                    "option), early stop not implemented"),
     *(Recipe(f"kivi{bits}", None, format=f"kivi{bits}", precise_recent=128, version=2,
              source="https://arxiv.org/abs/2402.02750", provenance="abstract",
              inferred="KIVI's layout as research/formats.md reports it (its code was not read here): keys per "

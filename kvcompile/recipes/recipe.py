@@ -15,6 +15,7 @@ PROVENANCE = {  # the strongest evidence a recipe rests on
     "paper": "the full paper was read",
     "abstract": "the paper itself was not read: its abstract, at most a third-party summary; details inferred",
     "peer": "reproduces a peer library's implementation (kvpress, awslabs/keys_values)",
+    "description": "inferred from a one-line description: no paper, code or summary was found (METHODS.md)",
     "control": "a baseline or control, no paper",
     "custom": "not a built-in recipe: no claim made",
 }

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 
-from kvcompile.eval.synthetic import SEPARATOR, make_sample, string_match_all
+from kvcompile.eval.samples import string_match_all
+from kvcompile.eval.synthetic import SEPARATOR, make_sample
 
 
 @functools.lru_cache(maxsize=4)
