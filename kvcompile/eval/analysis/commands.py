@@ -10,7 +10,7 @@ def _csv(text: str) -> list[str]:
 
 
 def add_parsers(sub) -> None:
-    """Add ``ceiling``, ``queryleak`` and ``nominal`` to ``sub`` (the ``analyze`` command's subparsers)."""
+    """Add ``ceiling``, ``queryleak``, ``nominal``, ``diagnose`` and ``gap`` to ``sub`` (the ``analyze`` command's subparsers)."""
     ce = sub.add_parser(
         "ceiling", help="top-mass vs the exact best subset, balancing selector and certificate on attention rows")
     ce.add_argument("--model", default="smollm2-135m")
@@ -28,6 +28,10 @@ def add_parsers(sub) -> None:
     no = sub.add_parser("nominal", help="a per-head method's selection as a mask over the full cache vs ragged "
                         "storage vs one length for every head, at the same bytes")
     _grid_arguments(no, "adakv-snapkv,adakv-expected-attention,kvzip", "bench/results/nominal")
+    di = sub.add_parser("diagnose", help="full-correct / compressed-wrong rows: evidence coverage, likelihood drift "
+                        "and a 4x evidence-attention boost against a count-matched sham (KVDiagnosis, inferred)")
+    _grid_arguments(di, "snapkv,tova,streamingllm", "bench/results/diagnosis")
+    di.add_argument("--factor", type=float, default=4.0, help="the boost: ln(factor) on the evidence's logits")
 
 
 def _grid_arguments(parser, recipes: str, out: str) -> None:
@@ -54,6 +58,15 @@ def run(args, load) -> int:
                                     window=args.window, budgets=[int(b) for b in _csv(args.budgets)],
                                     max_swaps=args.max_swaps, seed=args.seed)
         paths, text = ceiling_report.write(result, args.out, args.model, command), None
+    elif args.analysis == "diagnose":
+        from . import diagnose, tables
+
+        result = diagnose.run(cm, tok, _csv(args.recipes), [parse_budget(b) for b in _csv(args.budgets)],
+                              _csv(args.tasks), n_samples=args.n_samples, length=args.length, seed=args.seed,
+                              factor=args.factor)
+        text = diagnose.markdown(result, args.model, command)
+        paths = tables.write(result, args.out, text, model=args.model, command=command)
+        paths += [p for p in [diagnose.plot(result, f"{args.out}.png")] if p]
     else:
         from . import nominal, queryleak, tables
 
