@@ -13,8 +13,9 @@ their question; this model does neither:
   compressing after each chunk, so the cache holds about the budget plus one chunk while perplexity is measured.
 
 ``get_model_info`` (merged into ``results["config"]`` by lm-eval) carries the recipe, budget, bytes held per
-request (mean and max), the scorer's mean UOR over them and how many requests were query-aware; ``requests`` keeps each compressed prefill's
-accounting, which ``lm_eval_store`` turns into results-store rows. Entry points: docs/eval.md ("lm-eval model").
+request (mean and max), the scorer's mean UOR over them and how many requests were query-aware; ``requests``
+keeps each compressed prefill's accounting, which ``lm_eval_store`` turns into results-store rows. Entry points:
+docs/eval.md ("lm-eval model").
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ def _csv(text: str) -> list[str]:
 
 
 def add_parsers(sub) -> None:
-    """Add ``ceiling``, ``queryleak``, ``nominal``, ``diagnose`` and ``gap`` to ``sub`` (the ``analyze`` command's subparsers)."""
+    """Add ``ceiling``, ``queryleak``, ``nominal``, ``diagnose`` and ``gap`` to ``sub`` (the ``analyze`` command's
+    subparsers)."""
     ce = sub.add_parser(
         "ceiling", help="top-mass vs the exact best subset, balancing selector and certificate on attention rows")
     ce.add_argument("--model", default="smollm2-135m")

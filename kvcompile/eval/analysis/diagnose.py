@@ -62,7 +62,8 @@ def evidence_positions(tokenizer, text: str, answers) -> list[int]:
 
 
 def coverage(keep: Tensor, evidence: list[int]) -> Tensor:
-    """[L, Hkv] share of the ``evidence`` positions each (layer, KV head) holds; ``keep`` [L, Hkv, n] (``masked.kept``)."""
+    """[L, Hkv] share of the ``evidence`` positions each (layer, KV head) holds; ``keep``: [L, Hkv, n]
+    (``masked.kept``)."""
     if not evidence:
         raise ValueError("no evidence positions: the answer does not occur in the context")
     return keep[..., evidence].float().mean(-1)
