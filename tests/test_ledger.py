@@ -47,6 +47,11 @@ def test_dropped_mass_is_zero_when_nothing_is_dropped(byte_full):
     assert abs(mass["dropped_mass_max"]) < 1e-6 and mass["window"] > 0
 
 
+def test_a_recipe_that_observes_no_queries_bounds_nothing(byte_full):
+    before, after = compressed(byte_full, "streamingllm", 0.25, random.SystemRandom().randrange(2**31))
+    assert ledger.dropped_mass(before, after) == {"dropped_mass_max": None, "dropped_mass_mean": None, "window": 0}
+
+
 def test_dropped_mass_is_the_window_attention_on_evicted_entries(byte_full):
     """Recomputed from the plain model's own attention weights (eager attention, every query) at the observed
     queries, summed over the positions the compressed cache no longer holds."""

@@ -9,7 +9,7 @@ Each claim the sweep makes about a cell is filed under one tier:
 - ``bounded``: valid for the queries compression observed (the context's last ``window`` queries), extrapolated
   to later ones: the attention mass those queries put on the entries compression dropped (D(S) of §48, which
   bounds their output error by D(S) x max ||v_i - v_j||): its largest and mean value over layers, query heads
-  and queries;
+  and queries (None for a recipe that observes no queries, e.g. StreamingLLM: nothing is bounded there);
 - ``empirical``: measured on this one sample only: score, KL, top-1 agreement, UOR.
 
 The sweep writes the ledger beside every row (the store's ``ledger`` column, JSON), with its own values of the
@@ -32,9 +32,10 @@ EMPIRICAL = ("score", "kl_mean", "kl_p99", "top1", "uor")
 def dropped_mass(before, after) -> dict:
     """``{"dropped_mass_max", "dropped_mass_mean", "window"}``: the attention the observed queries of ``before`` (a
     ``CompressedModel`` holding the context uncompressed and observed: a fork taken before ``compress``) put on
-    the entries ``after`` (its compression) no longer holds, over every layer, query head and real query."""
+    the entries ``after`` (its compression) no longer holds, over every layer, query head and real query; None
+    where it observed none (a recipe whose scorer reads no queries: ``window`` 0)."""
     held = after.held_positions().long()  # [L, B, Hkv, S]
-    worst, total, count, window = 0.0, 0.0, 0, 0
+    worst, total, count, window = None, 0.0, 0, 0
     with before.observing() as cache:
         for layer in before.programs.layers:
             obs = observe(cache, layer)
@@ -47,7 +48,8 @@ def dropped_mass(before, after) -> dict:
             G = attn.shape[1] // kept.shape[1]
             lost = 1 - (attn * kept.repeat_interleave(G, 1)[:, :, None, :]).sum(-1)  # [B, Hq, W]
             real = (obs.query_positions >= 0)[:, None, :].expand_as(lost)
-            worst = max(worst, float(lost[real].max()) if real.any() else 0.0)
+            if real.any():
+                worst = max(worst or 0.0, float(lost[real].max()))
             total, count = total + float(lost[real].sum()), count + int(real.sum())
             window = max(window, int((obs.query_positions >= 0).sum(-1).max()))
     return {"dropped_mass_max": worst, "dropped_mass_mean": total / count if count else None, "window": window}
