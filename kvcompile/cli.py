@@ -9,6 +9,8 @@ results store that a rerun resumes); ``--executor ray`` runs its contexts on Ray
 ``kvcompile recipes``: the built-in recipes as a table: name@version, provenance, what is inferred, source.
 ``kvcompile analyze ceiling``: how far the best kept subset beats top-mass on a real model's attention rows (§48).
 ``kvcompile analyze queryleak``: one method and budget with the question visible, restricted, or after compression.
+``kvcompile analyze diagnose``: full-correct / compressed-wrong rows, evidence coverage, an evidence boost vs a sham.
+``kvcompile analyze gap``: answer accuracy against the retention and restatement of its supporting chain.
 """
 
 from __future__ import annotations

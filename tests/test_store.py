@@ -31,7 +31,7 @@ def test_a_version_1_store_is_migrated_on_opening(tmp_path):
     db.commit()
     db.close()
     with Store(path) as store:
-        assert store.version == VERSION == 3
+        assert store.version == VERSION == 4
         (old,) = store.rows()
         assert old["score"] == 1.0 and old["created"] is None and old["uor"] is None and store.has(CELL)
         assert store.add([{**CELL, "sample": 1, "score": 0.0, "uor": 1.25}]) == 1

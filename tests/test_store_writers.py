@@ -24,7 +24,7 @@ DOCS = 4
 
 def _args(folder, store, out) -> list[str]:
     meta = {"tokenizer": str(folder), "length": 512, "num_samples": DOCS}
-    return ["run", "--model", "kvcompile", "--model_args", f"pretrained={folder},recipe=snapkv,budget=0.5",
+    return ["run", "--model", "kvcompile", "--model_args", f"pretrained={folder},recipe=tova,budget=0.5",
             "--tasks", ",".join(TASKS), "--metadata", json.dumps(meta), "--store", str(store),
             "--output_path", str(out)]
 
@@ -43,10 +43,11 @@ def test_samples_land_in_the_store_and_a_torchrun_pair_stores_the_samestored_row
     assert lm_eval.simple_evaluate.__module__ == "lm_eval.evaluator", "the run left lm-eval patched"
     single = stored_rows(one)
     assert {(k[1], k[4]) for k in single} == {(t, d) for t in TASKS for d in range(DOCS)}
-    assert all(r["bytes_held"] < 0.6 * r["bytes_full"] and r["recipe"] == "snapkv" and r["length"] == 512
+    assert all(r["bytes_held"] < 0.6 * r["bytes_full"] and r["recipe"] == "tova" and r["length"] == 512
                and r["query_aware"] == 0 for r in single.values())
     assert len({r["bytes_full"] for r in single.values()}) > 2, "every document should carry its own accounting"
-    assert _config(tmp_path / "out1")["world_size"] == 1
+    assert all(1 <= r["uor"] <= 2 for r in single.values()), "tova's UOR, GQA groups of 2"
+    assert _config(tmp_path / "out1")["world_size"] == 1 and 1 <= _config(tmp_path / "out1")["uor_mean"] <= 2
     assert "8 of 8 sample rows written" in capsys.readouterr().out
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

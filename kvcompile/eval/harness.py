@@ -14,8 +14,9 @@ their question; this model does neither:
   compressing after each chunk, so the cache holds about the budget plus one chunk while perplexity is measured.
 
 ``get_model_info`` (merged into ``results["config"]`` by lm-eval) carries the recipe, budget, bytes held per
-request (mean and max) and how many requests were query-aware; ``requests`` keeps each compressed prefill's
-accounting, which ``lm_eval_store`` turns into results-store rows. Entry points: docs/eval.md ("lm-eval model").
+request (mean and max), the scorer's mean UOR over them and how many requests were query-aware; ``requests``
+keeps each compressed prefill's accounting, which ``lm_eval_store`` turns into results-store rows. Entry points:
+docs/eval.md ("lm-eval model").
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import kvcompile
 
 from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
+from .uor import held_uor
 from .ranks import DataParallel
 from .synthetic import SEPARATOR
 
@@ -136,6 +138,7 @@ class KVCompileLM(DataParallel, TemplateLM):
         held = [r["bytes_held"] for r in self.requests] or [0]
         full = [r["bytes_full"] for r in self.requests] or [0]
         aware = sum(r["query_aware"] for r in self.requests)
+        uors = [r["uor"] for r in self.requests if r["uor"] is not None]
         return {"kvcompile": {
             "recipe": self.cm.recipe.tag,
             "budget": str(self.cm.budget),
@@ -144,15 +147,36 @@ class KVCompileLM(DataParallel, TemplateLM):
             "bytes_held_max": max(held),
             "bytes_full_mean": sum(full) / len(full),
             "query_aware_requests": aware,
+            "uor_mean": sum(uors) / len(uors) if uors else None,
             "query_aware": bool(aware) or self.cm.recipe.query_aware,
             "world_size": self.world_size,
         }}
 
-    def _record(self, contexts: list[str], query_aware: bool, t0: float, stats: dict | None = None) -> None:
+    def _compress_context(self, ids: list[int], segments=None) -> tuple[torch.Tensor, float | None]:
+        """Prefill and compress ``ids``: the last logits [1, 1, V] and the union-overhead ratio of the recipe's
+        scorer at the share of tokens it kept (``eval.uor``, as the sweep measures it). The UOR is None, and the
+        prefill compresses as it goes, where there is none to measure: no scorer or no per-query-head form, the
+        full budget, a recipe that compresses while it prefills (chunked), while it decodes, or with the question
+        (query-aware). Otherwise the context is prefilled uncompressed and then compressed (``compress``), the
+        sweep's path, from which the UOR is read on an uncompressed fork (not timed apart: the request's time
+        includes it). ``segments``: the task's rule for step-level recipes (``CompressedModel.prefill``)."""
+        cm, steps = self.cm, {"segments": segments, "tokenizer": self.tokenizer}
+        if cm.scorer is None or cm.budget.is_full or cm.prefill_chunk or cm.schedule is not None \
+                or cm.recipe.query_aware:
+            return cm.prefill(ids_tensor(ids, self.device), logits="last", **steps), None
+        logits = cm.prefill(ids_tensor(ids, self.device), compress=False, logits="last", **steps)
+        unions = cm.fork()
+        cm.compress()
+        share = cm.cache_stats()["tokens_held"] / (int(cm.seen.sum()) * cm.spec.num_layers * cm.spec.num_kv_heads)
+        return logits, held_uor(unions, share)[0]
+
+    def _record(self, contexts: list[str], query_aware: bool, t0: float, stats: dict | None = None,
+                uor: float | None = None) -> None:
         """Account one compressed prefill, begun at ``t0``, for requests whose first argument is in ``contexts``;
-        ``stats``: the cache's, taken once the context was compressed (default: now)."""
+        ``stats``: the cache's, taken once the context was compressed (default: now); ``uor``: its scorer's UOR."""
         stats = stats or self.cm.cache_stats()
         self.requests.append({"contexts": contexts, "query_aware": query_aware, "wall_s": time.perf_counter() - t0,
+                              "uor": uor,
                               **{k: stats[k] for k in ("bytes_held", "bytes_allocated", "bytes_full",
                                                        "peak_bytes_held")}})
 
@@ -208,10 +232,10 @@ class KVCompileLM(DataParallel, TemplateLM):
             groups.setdefault((tuple(ctx), boundary, aware), []).append(n)
         bar = tqdm(total=len(entries), disable=disable_tqdm, desc="kvcompile loglikelihood")
         for (ctx, boundary, aware), members in groups.items():
-            t0 = time.perf_counter()
+            t0, uor = time.perf_counter(), None
             self.cm.reset()
             if boundary > 0:
-                self.cm.prefill(ids_tensor(list(ctx[:boundary]), self.device), logits="last")
+                uor = self._compress_context(list(ctx[:boundary]))[1]
             for n in members:
                 cont = entries[n][3]
                 model = self.cm.fork() if boundary > 0 and len(members) > 1 else self.cm
@@ -226,7 +250,7 @@ class KVCompileLM(DataParallel, TemplateLM):
                 results[n] = ans
                 self.cache_hook.add_partial("loglikelihood", entries[n][1], ans)
                 bar.update(1)
-            self._record([entries[n][1][0] for n in members], aware, t0)
+            self._record([entries[n][1][0] for n in members], aware, t0, uor=uor)
         bar.close()
         return results
 
@@ -259,14 +283,14 @@ class KVCompileLM(DataParallel, TemplateLM):
             t0 = time.perf_counter()
             self.cm.reset()
             with torch.no_grad():
-                logits = self.cm.prefill(ids_tensor(ctx_ids, self.device), logits="last", segments=segments,
-                                         tokenizer=self.tokenizer)[0, -1]
+                logits, uor = self._compress_context(ctx_ids, segments)
+                logits = logits[0, -1]
             compressed = self.cm.cache_stats()
             if q_ids:
                 logits = read_question(self.cm, q_ids)
             stop = (lambda toks: any(s in self.tokenizer.decode(toks) for s in until)) if until else None
             tokens = greedy(self.cm, logits, budget, eos_ids={self.eot_token_id}, stop=stop)
-            self._record([text], question is None, t0, compressed)  # the answer's time counts, its tokens not
+            self._record([text], question is None, t0, compressed, uor)  # the answer's time counts, its tokens not
             answer = postprocess_generated_text(self.tokenizer.decode(tokens, skip_special_tokens=True), until, None)
             out.append(answer)
             self.cache_hook.add_partial("generate_until", (text, gen_kwargs), answer)

@@ -3,9 +3,9 @@
 One row per (task, document), keyed as the sweep keys its cells (``store.cell_keys``): the lm-eval task name is
 the task, the document index the sample, the task's ``length`` and ``seed`` metadata (0 where it has none) the
 length and seed. The score is the task's first metric. Bytes and time are those of the compressed prefills that
-served the document's requests (the most bytes over them, their time summed), matched by the requests' first
-argument (the prompt) against ``KVCompileLM.requests`` gathered from every rank. A document lm-eval answered
-from its own response cache (``--use_cache``) was never prefilled: its bytes and time are NULL."""
+served the document's requests (the most bytes over them, their time summed, their scorer's mean UOR), matched by
+the requests' first argument (the prompt) against ``KVCompileLM.requests`` gathered from every rank. A document
+lm-eval answered from its own response cache (``--use_cache``) was never prefilled: its bytes and time are NULL."""
 
 from __future__ import annotations
 
@@ -39,5 +39,6 @@ def rows(results: dict, lm, requests: list[dict]) -> list[dict]:
             out.append({**key, "score": float(s[s["metrics"][0]]),
                         "query_aware": any(r["query_aware"] for r in prefills) if prefills else None,
                         "wall_s": sum(r["wall_s"] for r in prefills) if prefills else None,
+                        "uor": sum(u) / len(u) if (u := [r["uor"] for r in prefills if r["uor"] is not None]) else None,
                         **{b: max(r[b] for r in prefills) if prefills else None for b in _BYTES}})
     return out

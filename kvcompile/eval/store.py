@@ -23,7 +23,7 @@ from pathlib import Path
 KEY = ("model", "task", "length", "seed", "sample", "recipe", "version", "fingerprint", "budget", "format")
 VALUES = ("provenance", "query_aware", "score", "bytes_held", "bytes_allocated", "bytes_full", "wall_s", "kl_mean",
           "kl_p99", "top1", "kl_tokens", "error", "kvcompile_version", "torch_version", "transformers_version",
-          "created", "uor")
+          "created", "uor", "ledger")
 BUSY_S = 60.0  # how long a writer waits for another one's transaction before giving up
 
 # A stored row is final unless it failed (the next run retries the cell), or it has no KL and the new row, a
@@ -56,7 +56,13 @@ def _v3(db: sqlite3.Connection) -> None:
     db.execute("ALTER TABLE results ADD COLUMN uor REAL")
 
 
-MIGRATIONS = [_v1, _v2, _v3]  # MIGRATIONS[i] brings a store from schema version i to i + 1; append, never edit
+def _v4(db: sqlite3.Connection) -> None:
+    """The cell's risk ledger (``eval.ledger``, JSON): which claims are certified, bounded or empirical; NULL for
+    rows stored before version 4 and for writers that do not file one."""
+    db.execute("ALTER TABLE results ADD COLUMN ledger TEXT")
+
+
+MIGRATIONS = [_v1, _v2, _v3, _v4]  # MIGRATIONS[i] brings a store from schema version i to i + 1; append, never edit
 VERSION = len(MIGRATIONS)
 
 

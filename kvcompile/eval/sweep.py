@@ -26,9 +26,10 @@ from ..budget import Budget
 from .. import observation
 from ..recipes import Recipe, anchors, compose, get_recipe
 from ..model import CompressedModel
-from . import report
+from . import ledger, report
 from .decoding import answer, encode, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
+from .ledger import dropped_mass
 from .store import VALUES, Store, cell_keys
 from .step_tasks import task_segments
 from .synthetic import get_task, make_sample
@@ -193,7 +194,7 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
     t0 = time.perf_counter()
     try:
         model = base.fork(recipe, budget)
-        unions = model.fork() if recipe.scorer and not budget.is_full else None  # uncompressed, for the UOR
+        before = None if budget.is_full else model.fork()  # uncompressed: the UOR and the ledger's dropped mass
         model.compress()
         stats = model.cache_stats()
         share = stats["tokens_held"] / (int(model.seen.sum()) * model.spec.num_layers * model.spec.num_kv_heads)
@@ -203,8 +204,10 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
                "score": sample.score(tokenizer.decode(tokens, skip_special_tokens=True)),
                "bytes_held": stats["bytes_held"], "bytes_allocated": stats["bytes_allocated"],
                "bytes_full": stats["bytes_full"]}
-        if unions is not None:  # at the share of the context's tokens the cell kept (not timed)
-            row["uor"] = held_uor(unions, share)[0]
+        bounded = None if before is None else _bounded(before, model)  # not timed, nor the UOR
+        row["ledger"] = ledger.dumps(ledger.ledger(stats, budget, bounded))
+        if before is not None and recipe.scorer:  # at the share of the context's tokens the cell kept
+            row["uor"] = held_uor(before, share)[0]
         ids = reference.setdefault("ids", question + tokens)
         if kl:
             with torch.no_grad():
@@ -214,6 +217,14 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
         return row
     except Exception as e:  # noqa: BLE001 - a failing recipe is a result, not the end of the sweep
         return {"wall_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
+
+
+def _bounded(before, model) -> dict:
+    """The ledger's dropped mass, or the error that stopped it (the cell's own result stands either way)."""
+    try:
+        return dropped_mass(before, model)
+    except Exception as e:  # noqa: BLE001 - recorded in the ledger
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 def _observation_window(cm: CompressedModel, recipe, budget) -> int:

@@ -10,7 +10,8 @@ def _csv(text: str) -> list[str]:
 
 
 def add_parsers(sub) -> None:
-    """Add ``ceiling``, ``queryleak`` and ``nominal`` to ``sub`` (the ``analyze`` command's subparsers)."""
+    """Add ``ceiling``, ``queryleak``, ``nominal``, ``diagnose`` and ``gap`` to ``sub`` (the ``analyze`` command's
+    subparsers)."""
     ce = sub.add_parser(
         "ceiling", help="top-mass vs the exact best subset, balancing selector and certificate on attention rows")
     ce.add_argument("--model", default="smollm2-135m")
@@ -28,13 +29,22 @@ def add_parsers(sub) -> None:
     no = sub.add_parser("nominal", help="a per-head method's selection as a mask over the full cache vs ragged "
                         "storage vs one length for every head, at the same bytes")
     _grid_arguments(no, "adakv-snapkv,adakv-expected-attention,kvzip", "bench/results/nominal")
+    di = sub.add_parser("diagnose", help="full-correct / compressed-wrong rows: evidence coverage, likelihood drift "
+                        "and a 4x evidence-attention boost against a count-matched sham (KVDiagnosis, inferred)")
+    _grid_arguments(di, "snapkv,tova,streamingllm", "bench/results/diagnosis")
+    di.add_argument("--factor", type=float, default=4.0, help="the boost: ln(factor) on the evidence's logits")
+    ga = sub.add_parser("gap", help="answer accuracy vs the supporting chain's retention and restatement on a "
+                        "variable-chain task (answer-evidence gap, inferred)")
+    _grid_arguments(ga, "snapkv,tova,streamingllm", "bench/results/gap", tasks=False)
+    ga.add_argument("--hops", type=int, default=3, help="copies after the chain's root assignment")
 
 
-def _grid_arguments(parser, recipes: str, out: str) -> None:
+def _grid_arguments(parser, recipes: str, out: str, tasks: bool = True) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--recipes", default=recipes, help="comma-separated")
     parser.add_argument("--budgets", default="0.25,0.1", help="fractions, tokens per KV head, or sizes like 64MiB")
-    parser.add_argument("--tasks", default="niah_single_1,passkey", help="comma-separated task names")
+    if tasks:
+        parser.add_argument("--tasks", default="niah_single_1,passkey", help="comma-separated task names")
     parser.add_argument("--n-samples", type=int, default=10)
     parser.add_argument("--length", type=int, default=1024, help="prompt plus answer tokens per sample")
     parser.add_argument("--seed", type=int, default=0)
@@ -54,6 +64,22 @@ def run(args, load) -> int:
                                     window=args.window, budgets=[int(b) for b in _csv(args.budgets)],
                                     max_swaps=args.max_swaps, seed=args.seed)
         paths, text = ceiling_report.write(result, args.out, args.model, command), None
+    elif args.analysis == "gap":
+        from . import gap, tables
+
+        result = gap.run(cm, tok, _csv(args.recipes), [parse_budget(b) for b in _csv(args.budgets)],
+                         n_samples=args.n_samples, length=args.length, hops=args.hops, seed=args.seed)
+        text = gap.markdown(result, args.model, command)
+        paths = tables.write(result, args.out, text, model=args.model, command=command)
+    elif args.analysis == "diagnose":
+        from . import diagnose, tables
+
+        result = diagnose.run(cm, tok, _csv(args.recipes), [parse_budget(b) for b in _csv(args.budgets)],
+                              _csv(args.tasks), n_samples=args.n_samples, length=args.length, seed=args.seed,
+                              factor=args.factor)
+        text = diagnose.markdown(result, args.model, command)
+        paths = tables.write(result, args.out, text, model=args.model, command=command)
+        paths += [p for p in [diagnose.plot(result, f"{args.out}.png")] if p]
     else:
         from . import nominal, queryleak, tables
 

@@ -7,7 +7,9 @@ attention function (``NAME``) adds, for the calls given ``kvc_keep`` [L, Hkv, n]
 the first n positions (the document), shared by the head's query heads; later keys (the question, the answer) stay
 visible under the causal mask. Nothing of the library's cache or kernels is used, so the path is an independent
 reference: at budget 1.0 it is the plain model, and with a selection it equals attention over the kept entries
-(``tests/test_analysis_nominal.py``). Batch 1.
+(``tests/test_analysis_nominal.py``). ``kvc_bias`` [L, Hkv, n] adds a log-weight to the logits of those positions
+(a boost of w times their attention before renormalising: ``diagnose``'s evidence boost), in every query after
+the document. Batch 1.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ NAME = "kvcompile-masked"
 
 
 def masked_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                     kvc_keep: Tensor | None = None, **kwargs):
-    """SDPA, with the keys that ``kvc_keep[module.layer_idx]`` [Hkv, n] marks evicted masked out of every query."""
+                     kvc_keep: Tensor | None = None, kvc_bias: Tensor | None = None, **kwargs):
+    """SDPA, with the keys that ``kvc_keep[module.layer_idx]`` [Hkv, n] marks evicted masked out of every query, and
+    ``kvc_bias[module.layer_idx]`` [Hkv, n] (if given) added to the logits of the first n keys."""
     if kvc_keep is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     Tq, Tk = query.shape[2], key.shape[2]
@@ -39,6 +42,11 @@ def masked_attention(module, query: Tensor, key: Tensor, value: Tensor, attentio
         attention_mask = attention_mask == 0
     kwargs.pop("is_causal", None)
     mask = attention_mask[..., -Tk:] & visible[None, :, None, :]
+    if kvc_bias is not None:  # a float mask: -inf where masked, the bias where visible
+        G = query.shape[1] // key.shape[1]
+        bias = F.pad(kvc_bias[module.layer_idx], (0, Tk - keep.shape[-1])).repeat_interleave(G, 0).to(query.dtype)
+        mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf")) + \
+            bias[None, :, None, :]
     return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
 
 
@@ -68,11 +76,11 @@ def kept(held_positions: Tensor, n: int) -> Tensor:
 
 class MaskedModel:
     """The plain ``model`` over a prefilled document ``cache`` (a ``DynamicCache``, copied), attending to the
-    entries ``keep`` [L, Hkv, n] marks. ``prefill`` / ``decode`` return logits as ``CompressedModel``'s do, so the
+    entries ``keep`` [L, Hkv, n] marks, with ``bias`` [L, Hkv, n] (or None) added to their logits. ``prefill`` / ``decode`` return logits as ``CompressedModel``'s do, so the
     evaluation read-out (``decoding.answer``) drives it; call them inside ``masking(model)``."""
 
-    def __init__(self, model, keep: Tensor, cache: DynamicCache):
-        self.model, self.keep, self.cache = model, keep, copy.deepcopy(cache)
+    def __init__(self, model, keep: Tensor, cache: DynamicCache, bias: Tensor | None = None):
+        self.model, self.keep, self.bias, self.cache = model, keep, bias, copy.deepcopy(cache)
         self.generation_config = getattr(model, "generation_config", None)
 
     @property
@@ -82,7 +90,8 @@ class MaskedModel:
     @torch.no_grad()
     def prefill(self, input_ids: Tensor) -> Tensor:
         """Logits [1, T, V] of ``input_ids`` [1, T] read after what the cache holds."""
-        return self.model(input_ids=input_ids, cache=self.cache, use_cache=True, kvc_keep=self.keep).logits
+        return self.model(input_ids=input_ids, cache=self.cache, use_cache=True, kvc_keep=self.keep,
+                          kvc_bias=self.bias).logits
 
     decode = prefill
 
