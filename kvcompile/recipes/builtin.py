@@ -153,6 +153,13 @@ _BUILTIN = [
            source="https://arxiv.org/abs/2509.05165", provenance="peer",
            inferred="the second pass is a context reconstruction (the context alone, its tokens dropped after); the "
                     "one-token floor per layer comes out of the budget, not on top of it"),
+    Recipe("lukv", "expected-attention", "lukv",
+           {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.02},
+           source="https://arxiv.org/abs/2602.08585 (kvpress LUKVPress; uniform until calibration.lukv.calibrate "
+                  "fills curve)", provenance="peer",
+           inferred="the curve generation (future-attention utility of each head's ranking, greedy over concave "
+                    "majorants, averaged over texts); counts rescaled to spend the byte budget exactly; the newest "
+                    "token is not pinned (kvpress: window=1); " + _POST_ROPE_STATS),
     # allocators (prefill time), with the scorer each paper pairs them with
     Recipe("contourkv", "snapkv", "contourkv", {"window": 32, "kernel": 7}, {"variant": "contour"},
            source="https://arxiv.org/abs/2608.25230", provenance="abstract",
