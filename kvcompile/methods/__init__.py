@@ -2,7 +2,8 @@
 
 from . import adakv, knorm, pyramidkv, random_eviction, snapkv, streaming_llm, uniform  # noqa: F401  (registration)
 from . import (  # noqa: F401  (registration)
-    compactor, criticalkv, expected_attention, finch, h2o, jacap, keydiff, kvcompose, kvzip, qfilter, tova, twinkv,
+    compactor, criticalkv, expected_attention, finch, h2o, jacap, keydiff, kvcompose, kvgrad, kvzip, qfilter, tova,
+    twinkv,
 )
 from . import capkv, cur, lagkv, leverage_score, noncausal_attention, observed_attention  # noqa: F401  (kvpress)
 from . import catekv, certkv, contourkv, page_entrokv, ripplekv, sgdkv  # noqa: F401  (registration: allocators)

@@ -46,7 +46,9 @@ class Observation:
     ``query_positions``, not the slot order); query_positions: [B, W], -1 where there was no query (short prompt,
     padding); scale: the layer's softmax scale; window: its sliding window (0 = none); token_ids, weights: what the
     ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them);
-    log_weights: [B, Hkv, S] each entry's log-weight (``cache.weights``; None: every entry is one token).
+    log_weights: [B, Hkv, S] each entry's log-weight (``cache.weights``; None: every entry is one token);
+    query_gradients: [B, W] per window slot, the norm of the gradient of the model's output with respect to that
+    query's attention output (the ``Gradients`` source, ``kvcompile.gradients``; None unless declared).
     """
 
     keys: Tensor
@@ -62,6 +64,7 @@ class Observation:
     token_ids: Tensor | None = None
     weights: dict = field(default_factory=dict)
     log_weights: Tensor | None = None
+    query_gradients: Tensor | None = None
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
         """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible); an

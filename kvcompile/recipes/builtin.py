@@ -88,6 +88,12 @@ _BUILTIN = [
         inferred="no 'Repeat the previous context' instruction, as scorers have no tokenizer; one reconstruction chunk",
     ),
     Recipe(
+        "kvgrad", "kvgrad", "global-topk", {"n_sink": 4, "window": 8192},
+        source="https://openreview.net/forum?id=cg1wTCJjjk (kvpress KVgradPress)", provenance="peer",
+        inferred="KVzip's one reconstruction chunk with no instruction (kvpress: 512-token chunks after 'Repeat the "
+                 "previous context' prompts); the backward pass through the source model, not the paged programs",
+    ),
+    Recipe(
         "jacap", "jacap", scorer_args={"tau": 10.0, "window": 512, "n_sink": 4}, source="https://arxiv.org/abs/2609.08131",
         provenance="abstract",
         inferred="the formulas from a full-text summary; the attention prior, query variance and weight scale as in "
