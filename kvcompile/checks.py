@@ -127,6 +127,17 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
                          f"('snapkv+{recipe.format}') or raise the budget")
 
 
+def gradient_pass(recipe, source, prefill_chunk, schedule) -> None:
+    """A scorer that reads ``Gradients`` runs the source model backward over the whole context at its one
+    compression: refuse a model without a source (a loaded artifact), chunked prefill and decode-time schedules,
+    which compress parts of a context."""
+    who = f"recipe {recipe.name!r} runs a backward pass of the source model over the context"
+    if source is None:
+        raise NotImplementedError(f"{who}; a model loaded from an artifact has none: apply the recipe to the model")
+    if prefill_chunk or schedule is not None:
+        raise ValueError(f"{who} at one compression: not with prefill_chunk or a decode-time schedule")
+
+
 def keep_last(n, seen: int, recipe, scorer, allocator) -> None:
     """``compress(keep_last=n)``: refuse, naming it, a count that is not an int in [0, tokens read), or a recipe
     whose compression this does not support (a page format, an allocator that is not per token, a reconstruction)."""

@@ -25,14 +25,16 @@ from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, 
 from .spec import LayerSpec
 
 
-def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...], allocator: Allocator | None = None):
+def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...], allocator: Allocator | None = None,
+              gradients: Tensor | None = None):
     """[L, B, Hkv, S] scores, -inf where a head holds nothing (S is the longest head of any layer), and the
-    allocator's ``layer_stats`` stacked over layers (None when it needs none)."""
+    allocator's ``layer_stats`` stacked over layers (None when it needs none). ``gradients``: the ``Gradients``
+    source's norms (``observation.reconstructing``)."""
     S = int(cache.held().max())
     out = torch.full((*cache.lengths.shape, S), float("-inf"), device=cache.device)
     stats = []
     for layer in layers:
-        obs = observe(cache, layer)
+        obs = observe(cache, layer, gradients)
         s = scorer.score(obs).float().nan_to_num(0.0, posinf=torch.finfo(torch.float32).max)
         s = s.clamp_min(-torch.finfo(torch.float32).max).masked_fill(~obs.valid, float("-inf"))
         out[layer.index, :, :, : s.shape[-1]] = s[..., :S]
@@ -138,14 +140,14 @@ WEIGHTED_STRATEGIES = frozenset({"tail-summary", "prototypes", "memory"})
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
-             recipe, apart: int = 0) -> None:
+             recipe, apart: int = 0, gradients: Tensor | None = None) -> None:
     """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place, as
     ``recipe`` asks; with a page format, store what is kept in it (every token, unscored, when they all fit),
     except the ``recipe.precise_recent`` newest tokens, which stay in the model's dtype: kept first, their dtype
     bytes out of the budget, the rest of which the scorer's tokens share at the format's cost. With
     ``recipe.merge``, evicted values are folded into kept ones first (``merge_evicted``). The ``apart`` newest
     tokens (model dtype only) are no candidates: kept as they are, on top of ``budget_bytes``
-    (``CompressedModel.compress(keep_last=...)``)."""
+    (``CompressedModel.compress(keep_last=...)``). ``gradients``: as ``score_all`` reads them."""
     precise_recent = recipe.precise_recent
     held = cache.held().long()
     recent = cache.newest(precise_recent)
@@ -162,7 +164,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     if cache.page_format is not None and (scorer is None or bool(fits.all())):
         cache.demote(precise_recent)
         return
-    scores, stats = score_all(cache, scorer, layers, allocator)
+    scores, stats = score_all(cache, scorer, layers, allocator, gradients)
     aside = _padded(cache.newest(apart), scores.shape[-1])
     scores = scores.masked_fill(aside, float("-inf"))
     if precise_recent:  # the window is kept apart: the scored tokens compete for what it leaves of the budget

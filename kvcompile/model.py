@@ -55,6 +55,9 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         sources = self.scorer.sources() if self.scorer else ()
         self.reads_question = observation.reads_question(sources)  # FINCH: see ``Steps._read_prompt``
         observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
+        self.reads_gradients = observation.reads_gradients(sources)
+        if self.reads_gradients:
+            checks.gradient_pass(recipe, source, prefill_chunk, self.schedule)
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                   page_size=page_size, device=device, keep_ids=observation.keeps_ids(sources),
                                   page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES)
@@ -160,6 +163,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         real = self._check(input_ids, attention_mask)
         starts = None if segments is None else segmenting.boundaries(segments, input_ids, real.cpu(), tokenizer)
         self._refuse_without_question(compress)
+        self._refuse_partial_replay()
         with self._changing():
             return self._prefill(input_ids, real, compress, logits, segments=starts)
 
@@ -201,6 +205,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         if self.seen is None:
             raise RuntimeError("the cache is empty: call prefill first")
         self._refuse_without_question()
+        self._refuse_partial_replay()
         checks.keep_last(keep_last, int(self.seen.min()), self.recipe, self.scorer, self.allocator)
         with self._changing():
             self.context_tokens = self.cache.seen - keep_last
@@ -223,20 +228,22 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         budget = self.budget_bytes()
         if not bool((self.cache.bytes_held() > budget).any()) and self.recipe.format is None:
             return
-        with self.observing() as cache:
-            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe, apart)
+        with self.observing() as (cache, gradients):
+            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe, apart,
+                           gradients)
             if self.recipe.rerotate_keys:
                 rerotation.rerotate(cache, self.spec)
         self._pending = []
 
     @contextlib.contextmanager
     def observing(self):
-        """The cache as the scorer sees it when it compresses, with its declared sources supplied (KVzip's
-        reconstruction of the tokens read since the last compression is prefilled, and dropped again on exit)."""
+        """(the cache as the scorer sees it when it compresses, the ``Gradients`` source's norms or None), with its
+        declared sources supplied (KVzip's reconstruction of the tokens read since the last compression is
+        prefilled, and dropped again on exit; KVgrad's backward pass over them)."""
         ids, real = (torch.cat(x, 1) for x in zip(*self._pending)) if self._pending else (None, None)
         rerun = lambda i, r: self._prefill_step(i, r, "prefill_last", compressing=True)  # noqa: E731
-        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real):
-            yield self.cache
+        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source) as gradients:
+            yield self.cache, gradients
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

@@ -4,23 +4,28 @@ A method declares its sources (``methods.sources.Source``: ``Scorer.sources``); 
 source the runtime cannot supply yet (hidden states, an extra pass, gradients); ``observe`` builds a layer's
 ``Observation`` from the cache (held keys, values and positions; the ring's queries; the token ids it logs for
 ``ContextTokens``; the caller's segments for ``Segments``) and the layer's weights (``LayerWeights``: W_O, found in
-the graph); ``reconstructing`` runs a ``Reconstruction`` source's prompt around one compression (KVzip); ``reads_question`` tells ``generate`` to read the
-context unobserved and compress after the question (FINCH's ``Question``).
+the graph); ``reconstructing`` runs a ``Reconstruction`` source's prompt around one compression (KVzip), and with
+``Gradients`` one backward pass over the context and that prompt (KVgrad); ``reads_question`` tells ``generate`` to
+read the context unobserved and compress after the question (FINCH's ``Question``).
 """
 
 from __future__ import annotations
 
 import contextlib
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from .cache import PagedKVCache
 from .methods import Observation
-from .methods.sources import ContextTokens, LayerWeights, Question, QueryWindow, Reconstruction, Segments, Source
+from .gradients import attention_output_gradients
+from .methods.sources import (
+    ContextTokens, Gradients, LayerWeights, Question, QueryWindow, Reconstruction, Segments, Source,
+)
 from .segments import segment_of
 from .spec import LayerSpec
 
-SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments)
+SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments, Gradients)
 
 
 def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] = ()) -> None:
@@ -56,8 +61,15 @@ def window(sources: tuple[Source, ...]) -> int:
     return max((s.size for s in sources if isinstance(s, QueryWindow)), default=0)
 
 
-def observe(cache: PagedKVCache, layer: LayerSpec) -> Observation:
-    """Layer ``layer`` of the cache as a method sees it (dense per-head views plus the ring's queries)."""
+def reads_gradients(sources: tuple[Source, ...]) -> bool:
+    """Whether compression runs a backward pass over every token read (``Gradients``): the context must then be
+    read in one go, before any compression, by a model built from a source model (not a loaded artifact)."""
+    return any(isinstance(s, Gradients) for s in sources)
+
+
+def observe(cache: PagedKVCache, layer: LayerSpec, gradients: Tensor | None = None) -> Observation:
+    """Layer ``layer`` of the cache as a method sees it (dense per-head views plus the ring's queries);
+    ``gradients`` [L, B, W]: what ``reconstructing`` yields for a ``Gradients`` source."""
     keys, values, positions, valid = cache.dense(layer.index)
     ring = cache.ring
     ids = cache.token_ids.gather(1, positions.flatten(1).clamp_min(0)).view_as(positions) if cache.keep_ids else None
@@ -65,20 +77,45 @@ def observe(cache: PagedKVCache, layer: LayerSpec) -> Observation:
         keys, values, positions, valid, ring.queries[layer.index], ring.positions, layer.scale, layer.window,
         layer.index, cache.num_layers, ids, layer.weights, cache.log_weights(layer.index),
         segment_of(cache.segment_starts, int(cache.seen.max())) if cache.segment_starts.shape[1] else None,
+        None if gradients is None else gradients[layer.index],
     )
 
 
 @contextlib.contextmanager
-def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | None, real: Tensor | None):
+def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | None, real: Tensor | None,
+                   source: nn.Module | None = None):
     """Around one compression: when ``scorer`` declares a ``Reconstruction``, prefill its prompt for the tokens just
     read (``input_ids``, ``real`` [B, T]) with the ring cleared, so the window holds the prompt's queries alone;
-    afterwards drop the prompt's tokens (``PagedKVCache.drop_from``). ``prefill(ids, real)`` runs one prefill step."""
+    afterwards drop the prompt's tokens (``PagedKVCache.drop_from``). ``prefill(ids, real)`` runs one prefill step.
+    Yields None, or with ``Gradients`` the gradient norms [L, B, W] of the window's queries, from one dense backward
+    pass of ``source`` over ``input_ids`` (every token the cache read: checked) and the prompt."""
     if input_ids is None or scorer is None or not any(isinstance(s, Reconstruction) for s in scorer.sources()):
-        yield
+        yield None
         return
     seen = cache.seen.clone()
     ids, mask = scorer.reconstruction_prompt(input_ids, real)
     cache.ring.clear()
     prefill(ids, mask.to(cache.device))
-    yield
+    gradients = None
+    if reads_gradients(scorer.sources()):
+        if not torch.equal(seen, real.sum(1).to(seen)):
+            raise ValueError("the gradient pass replays every token the cache read, but some were compressed "
+                             "earlier: read the prompt in one prefill, before any compression")
+        gradients = _window_gradients(source, cache, torch.cat([input_ids, ids], 1),
+                                      torch.cat([real.bool(), mask.to(real.device).bool()], 1), real.shape[1])
+    yield gradients
     cache.drop_from(seen)
+
+
+def _window_gradients(source: nn.Module, cache: PagedKVCache, ids: Tensor, real: Tensor, context: int) -> Tensor:
+    """[L, B, W] the gradient norm at every window slot's query, from ``attention_output_gradients`` over ``ids``
+    [B, T] whose tokens after the first ``context`` are the probes; a token's position is its real tokens before."""
+    probes = real.clone()
+    probes[:, :context] = False
+    norms = attention_output_gradients(source, ids, real, probes)  # [L, B, T]
+    positions = (real.long().cumsum(1) - 1).clamp_min(0)
+    table = norms.new_zeros(*norms.shape[:2], int(positions.max()) + 1)
+    table.scatter_add_(2, positions.expand_as(norms), norms * real)
+    slots = cache.ring.positions  # [B, W]
+    read = table.gather(2, slots.clamp_min(0).clamp_max(table.shape[2] - 1).expand(norms.shape[0], -1, -1))
+    return read.masked_fill(slots[None] < 0, 0.0)

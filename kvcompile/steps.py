@@ -63,6 +63,15 @@ class Steps:
             raise ValueError(f"recipe {self.recipe.name!r} ranks the context by the question's queries: give the "
                              "question apart, generate(question_ids, context_ids=context_ids)")
 
+    def _refuse_partial_replay(self) -> None:
+        """Raise, before anything changes, when a scorer's gradient pass (``Gradients``) could not replay every token
+        the cache holds: some were compressed before."""
+        if self.reads_gradients and self.seen is not None and not self.budget.is_full:
+            pending = sum((r.sum(1) for _, r in self._pending), torch.zeros_like(self.seen))
+            if not torch.equal(pending.to(self.seen), self.seen):
+                raise ValueError(f"recipe {self.recipe.name!r} runs a backward pass over every token the cache read, "
+                                 "but this cache was compressed before: reset() and read the context in one prefill")
+
     def _prefill_step(self, ids: Tensor, real: Tensor, name: str, compressing: bool) -> Tensor:
         step = self.cache.append(real, observe=self.observation_window if compressing else self.decode_window, ids=ids)
         return self.programs.run(name, ids.to(self.device), step, self.cache)

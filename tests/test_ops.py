@@ -81,6 +81,32 @@ def test_paged_attention_matches_dense_masked_sdpa(lengths, shuffle):
     assert torch.equal(cache.k_pages, k_pages), "reading leaves the pool as it was"
 
 
+@pytest.mark.parametrize("lengths, overhead", [([1, 600, 5, 900], None), ([5, 1, 9, 0, 13, 2], 0)])
+def test_ragged_decode_by_length_class_matches_dense_attention(lengths, overhead, monkeypatch):
+    """Decode over heads of very different lengths goes class by class (``length_classes``; overhead 0 forces
+    classes on small heads); every head's output is its own dense softmax attention."""
+    if overhead is not None:
+        monkeypatch.setattr(reference, "CLASS_OVERHEAD", overhead)
+    seed = torch.seed() % 2**31
+    cache, k, v = filled_cache(lengths, Hq=2 * len(lengths), seed=seed)
+    assert len(reference.length_classes(cache.lengths[0], 4)) > 1, "the case must take the class path"
+    q = torch.randn(1, 2 * len(lengths), 1, 8, generator=torch.Generator().manual_seed(seed))
+    out = reference.paged_attention(q, torch.full((1, 1), 5000), cache.k_pages, cache.v_pages, cache.page_pos,
+                                    cache.page_table[0], cache.lengths[0], 0.3)
+    for h, n in enumerate(lengths):
+        for g in range(2):
+            expect = torch.softmax(q[0, 2 * h + g, 0] @ k[0, h, :n].T * 0.3, -1) @ v[0, h, :n]
+            torch.testing.assert_close(out[0, 2 * h + g, 0], expect, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_length_classes_minimise_pages_read():
+    lengths = torch.tensor([[16, 16 * 200, 32, 16 * 190]])
+    classes = reference.length_classes(lengths, 16)
+    assert sorted(sorted(c.tolist()) for c in classes) == [[0, 2], [1, 3]]
+    assert len(reference.length_classes(torch.full((2, 3), 700), 16)) == 1, "equal heads: the plain path"
+
+
 def test_compact_moves_kept_rows_only():
     cache, k, v = filled_cache([9, 6])
     keep = torch.tensor([[[0, 3, 8, 0], [1, 2, 4, 5]]])
@@ -183,3 +209,20 @@ def test_reserve_packs_heads_without_changing_them():
             assert torch.equal(a[valid], b[:, :, : a.shape[2]][valid]), "the same tokens, on a wider page table"
         torch.testing.assert_close(before[layer][0][0, :, :6], k[0])
         torch.testing.assert_close(before[layer][0][1, :, :3], k[1, :, :3])
+
+
+@pytest.mark.parametrize("window", [0, 7])
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "packed"])
+def test_flex_paged_decode_matches_the_reference(shuffle, window):
+    """The flex_attention formulation (``kernels.flex``) of a decode step over ragged heads, one of them empty,
+    equals the reference on fresh random inputs."""
+    from kvcompile.kernels.flex import flex_paged_decode
+
+    seed = torch.seed() % 2**31
+    lengths = [5, 0, 37, 16]
+    cache, _, _ = filled_cache(lengths, P=4, Hq=2 * len(lengths), seed=seed, shuffle=shuffle)
+    q = torch.randn(1, 2 * len(lengths), 1, 8, generator=torch.Generator().manual_seed(seed))
+    qp = torch.full((1, 1), 40)
+    args = (q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], cache.lengths[0], 0.3, window)
+    torch.testing.assert_close(flex_paged_decode(*args), reference.paged_attention(*args), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"seed {seed}: {m}")

@@ -49,7 +49,9 @@ class Observation:
     ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them);
     log_weights: [B, Hkv, S] each entry's log-weight (``cache.weights``; None: every entry is one token);
     segments: [B, P] the segment index of every position read (P = the most any row read; ``Segments``; None when
-    the caller gave no segments: one segment).
+    the caller gave no segments: one segment); query_gradients: [B, W] per window slot, the norm of the gradient of
+    the model's output with respect to that query's attention output (the ``Gradients`` source,
+    ``kvcompile.gradients``; None unless declared).
     """
 
     keys: Tensor
@@ -66,6 +68,7 @@ class Observation:
     weights: dict = field(default_factory=dict)
     log_weights: Tensor | None = None
     segments: Tensor | None = None
+    query_gradients: Tensor | None = None
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
         """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible); an

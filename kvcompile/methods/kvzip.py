@@ -55,11 +55,15 @@ class KVzip(Scorer):
         ones = torch.ones(instruction.shape, dtype=torch.bool, device=real.device)
         return torch.cat([instruction, input_ids], 1), torch.cat([ones, real.bool()], 1)
 
+    def probe_attention(self, obs: Observation, queries: slice):
+        """[B, Hq, w, S] what the reconstruction queries of the window slice ``queries`` pay each held key."""
+        return obs.window_attention(queries)
+
     def score_per_query_head(self, obs: Observation):
         B, Hkv, S, _ = obs.keys.shape
         best = torch.zeros(B, obs.queries.shape[1], S, device=obs.keys.device)
         for queries in obs.query_blocks(self.block):
-            best = torch.maximum(best, obs.window_attention(queries).amax(2))
+            best = torch.maximum(best, self.probe_attention(obs, queries).amax(2))
         G = best.shape[1] // Hkv
         first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
         appended = (obs.positions >= first[:, None, None]).repeat_interleave(G, 1)

@@ -64,4 +64,6 @@ class ExtraPass(Source):
 
 @dataclass(frozen=True)
 class Gradients(Source):
-    """Gradients of a loss with respect to the held keys and values, from a backward pass (not supplied yet)."""
+    """For each observed query of a ``Reconstruction`` prompt, the norm of the gradient of the squared last hidden
+    states at that prompt with respect to the query's attention output (``Observation.query_gradients``), from one
+    dense backward pass of the source model (``kvcompile.gradients``)."""

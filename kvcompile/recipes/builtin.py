@@ -88,6 +88,12 @@ _BUILTIN = [
         inferred="no 'Repeat the previous context' instruction, as scorers have no tokenizer; one reconstruction chunk",
     ),
     Recipe(
+        "kvgrad", "kvgrad", "global-topk", {"n_sink": 4, "window": 8192},
+        source="https://openreview.net/forum?id=cg1wTCJjjk (kvpress KVgradPress)", provenance="peer",
+        inferred="KVzip's one reconstruction chunk with no instruction (kvpress: 512-token chunks after 'Repeat the "
+                 "previous context' prompts); the backward pass through the source model, not the paged programs",
+    ),
+    Recipe(
         "jacap", "jacap", scorer_args={"tau": 10.0, "window": 512, "n_sink": 4}, source="https://arxiv.org/abs/2609.08131",
         provenance="abstract",
         inferred="the formulas from a full-text summary; the attention prior, query variance and weight scale as in "
@@ -153,6 +159,13 @@ _BUILTIN = [
            source="https://arxiv.org/abs/2509.05165", provenance="peer",
            inferred="the second pass is a context reconstruction (the context alone, its tokens dropped after); the "
                     "one-token floor per layer comes out of the budget, not on top of it"),
+    Recipe("lukv", "expected-attention", "lukv",
+           {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.02},
+           source="https://arxiv.org/abs/2602.08585 (kvpress LUKVPress; uniform until calibration.lukv.calibrate "
+                  "fills curve)", provenance="peer",
+           inferred="the curve generation (future-attention utility of each head's ranking, greedy over concave "
+                    "majorants, averaged over texts); counts rescaled to spend the byte budget exactly; the newest "
+                    "token is not pinned (kvpress: window=1); " + _POST_ROPE_STATS),
     # allocators (prefill time), with the scorer each paper pairs them with
     Recipe("contourkv", "snapkv", "contourkv", {"window": 32, "kernel": 7}, {"variant": "contour"},
            source="https://arxiv.org/abs/2608.25230", provenance="abstract",

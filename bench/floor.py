@@ -1,0 +1,86 @@
+"""Decode against its bandwidth floor: every variant of ``bench/decode.py`` as a multiple of the time it would take
+to read its bytes once at this machine's measured memory bandwidth.
+
+A decode step has to read every weight once and every K/V byte it attends over, so
+floor = (weight bytes + KV bytes read) / read bandwidth. Read bandwidth is measured here, before the decode runs,
+as the best of several ``sum`` passes over a tensor far larger than the caches (reported with the copy bandwidth,
+read + write bytes, for reference). KV bytes read: the bytes held (kvcompile) or the full cache (transformers).
+
+    python bench/floor.py --contexts 4096 --batches 1,4 --budgets 0.25 --compiled
+
+Writes ``bench/results/floor.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from decode import run
+
+import kvcompile
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def bandwidth(mib: int = 1024, repeats: int = 7) -> dict:
+    """GB/s of this machine: ``read`` (sum over a large fp32 tensor) and ``copy`` (read + write bytes)."""
+    src = torch.rand(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = {"read": float("inf"), "copy": float("inf")}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        src.sum()
+        best["read"] = min(best["read"], time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best["copy"] = min(best["copy"], time.perf_counter() - t0)
+    n = src.numel() * 4
+    return {"read": n / best["read"] / 1e9, "copy": 2 * n / best["copy"] / 1e9}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--recipe", default="snapkv")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compiled", action="store_true")
+    args = p.parse_args()
+    bw = bandwidth()
+    print(f"bandwidth: read {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s", flush=True)
+    model, _ = kvcompile.load_model(args.model)
+    weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+    cfg = model.config
+    token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    rows = run(args)
+    lines = [f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads; read bandwidth "
+             f"{bw['read']:.1f} GB/s (copy {bw['copy']:.1f} GB/s); weights {weights / 2**20:.0f} MiB; median of "
+             f"{args.rounds} rounds of {args.steps} steps", "",
+             "| context | batch | variant | decode ms | KV MiB read | floor ms | x floor |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        variants = [k[: -len("_decode_ms")] for k in r if k.endswith("_decode_ms")]
+        for v in variants:
+            kv = r["context"] * r["batch"] * token_bytes if v == "hf" else r.get(f"{v}_bytes_held",
+                                                                                 r.get("kv_1.0_bytes_held"))
+            floor = (weights + kv) / (bw["read"] * 1e9) * 1e3
+            r[f"{v}_floor_ms"] = floor
+            lines.append(f"| {r['context']} | {r['batch']} | {v} | {r[f'{v}_decode_ms']:.1f} | {kv / 2**20:.0f} | "
+                         f"{floor:.1f} | {r[f'{v}_decode_ms'] / floor:.2f} |")
+    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "bandwidth_gbs": bw, "weight_bytes": weights, "args": vars(args)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "floor.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (RESULTS / "floor.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Ragged decode at equal bytes: a per-head allocator (Ada-KV) against the uniform recipe with the same scorer.
+
+A per-head allocator leaves heads of different lengths. The eager CPU decode reads them class by class
+(``kernels.reference.length_classes``: heads grouped by page count, each class gathered only up to its longest
+head); before, every head was gathered up to the longest head of the layer. This script times, in one run and
+taking turns: ``snapkv`` (uniform, its pages read in place), ``adakv-snapkv`` by length class, and
+``adakv-snapkv`` with one gather per layer (the old path: ``CLASS_OVERHEAD`` set so high that one class always
+wins), and prints the pages each path reads per layer (held, as classes read them, as one gather reads them).
+
+    python bench/ragged.py --contexts 4096 --batches 1,4 --budget 0.25
+
+Writes ``bench/results/ragged.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+from decode import interleaved, kv_steps
+
+import kvcompile
+from kvcompile.kernels import reference
+from kvcompile.steps import RESERVE_AHEAD
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def pages_read(cm) -> dict:
+    """Head-pages a decode step reads, summed over layers: held, by length class, with one gather per layer."""
+    P = cm.cache.page_size
+    out = {"held": 0, "classes": 0, "one_gather": 0}
+    for lengths in cm.cache.held():  # [B, Hkv] per layer
+        pages = (lengths.reshape(-1).long() + P - 1) // P
+        out["held"] += int(pages.sum())
+        out["one_gather"] += int(pages.max()) * pages.numel()
+        out["classes"] += sum(int(pages[c].max()) * len(c) for c in reference.length_classes(lengths, P))
+    return out
+
+
+def one_gather(step):
+    """``step`` with length classes off (the decode path before them)."""
+    def run():
+        saved, reference.CLASS_OVERHEAD = reference.CLASS_OVERHEAD, 10**12
+        try:
+            step()
+        finally:
+            reference.CLASS_OVERHEAD = saved
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--budget", type=float, default=0.25)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    model, _ = kvcompile.load_model("smollm2-135m")
+    base = kvcompile.apply(model, budget=1.0, recipe="snapkv")
+    room = max(RESERVE_AHEAD, args.rounds * args.steps * 2 + 1)
+    rows = []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
+            base.reset()
+            token = base.prefill(ids, compress=False, logits="last")[:, -1:].argmax(-1)
+            row, steps_of, reserve = {"context": ctx, "batch": batch, "budget": args.budget}, {}, {}
+            for name, recipe in (("uniform", "snapkv"), ("adakv", "adakv-snapkv")):
+                cm = base.fork(recipe, args.budget)
+                cm.compress()
+                row[f"{name}_bytes_held"] = cm.cache_stats()["bytes_held"]
+                row[f"{name}_pages"] = pages_read(cm)
+                steps_of[name], reserve[name] = kv_steps(cm, token, room)
+            steps_of["adakv_one_gather"], reserve["adakv_one_gather"] = one_gather(steps_of["adakv"]), reserve["adakv"]
+            for name, times in interleaved(steps_of, args.rounds, args.steps).items():
+                row[f"{name}_decode_ms"] = statistics.median([(t + reserve[name]) * 1e3 for t in times])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "args": vars(args)}
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "ragged.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    head = ["context", "batch", "budget", "uniform ms", "adakv ms (classes)", "adakv ms (one gather)",
+            "adakv / uniform", "head-pages held (adakv)", "read by classes", "read by one gather"]
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.rounds} rounds of "
+             f"{args.steps} steps, variants taking turns", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        pg = r["adakv_pages"]
+        cells = [r["context"], r["batch"], r["budget"], f"{r['uniform_decode_ms']:.1f}", f"{r['adakv_decode_ms']:.1f}",
+                 f"{r['adakv_one_gather_decode_ms']:.1f}", f"{r['adakv_decode_ms'] / r['uniform_decode_ms']:.2f}",
+                 pg["held"], pg["classes"], pg["one_gather"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    (RESULTS / "ragged.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

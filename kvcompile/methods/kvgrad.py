@@ -1,0 +1,48 @@
+"""KVgrad (https://openreview.net/forum?id=cg1wTCJjjk, kvpress ``KVgradPress``): KVzip's reconstruction attention,
+weighted by what each probe's attention output does to the model's output and by what each value does through W_O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Gradients, LayerWeights, Observation, QueryWindow, Reconstruction, register_scorer
+from .kvzip import KVzip
+
+
+@register_scorer("kvgrad")
+@dataclass
+class KVgrad(KVzip):
+    """Score of key c for query head r: the max over reconstruction probes p of A_{p,c} * ||dPhi/da_p|| times
+    ||W_O^r v_c||, then the max over the GQA group (METHODS.md §39). Phi is the sum over probes of the squared norm
+    of the last decoder layer's output, a_p the layer's attention output at p (``kvcompile.gradients``: one dense
+    backward pass of the source model over context and probes). Sinks and the probes' own tokens as in KVzip.
+
+    Inferred: kvpress replays the context in 512-token chunks, each after its "Repeat the previous context"
+    prompt, over a read-only cache; here the whole context is one chunk with no instruction (KVzip's own inference
+    in this library), and the backward pass runs on the source model rather than the paged programs."""
+
+    def sources(self):
+        return QueryWindow(self.window), Reconstruction(), LayerWeights("o_proj"), Gradients()
+
+    def probe_attention(self, obs: Observation, queries: slice):
+        weighted = obs.window_attention(queries) * obs.query_gradients[:, None, queries, None]
+        return weighted * output_norms(obs)[:, :, None]
+
+    def score_per_query_head(self, obs: Observation):
+        if obs.query_gradients is None:
+            raise ValueError("kvgrad reads the Gradients source, which this observation lacks")
+        return super().score_per_query_head(obs)
+
+
+def output_norms(obs: Observation):
+    """[B, Hq, S] ||W_O^r v_c|| for every query head r and held value c: v' (W_O^r' W_O^r) v per head, so no
+    [S, hidden] product is built."""
+    B, Hkv, S, D = obs.values.shape
+    w_o = obs.weights["o_proj"].float()  # [hidden, Hq * D]
+    Hq = w_o.shape[1] // D
+    per_head = w_o.view(-1, Hq, D)
+    gram = torch.einsum("ehd,ehf->hdf", per_head, per_head)  # [Hq, D, D]
+    values = obs.values.float().repeat_interleave(Hq // Hkv, 1)  # [B, Hq, S, D]
+    return torch.einsum("bhsd,hdf,bhsf->bhs", values, gram, values).clamp_min(0).sqrt()
