@@ -163,7 +163,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         real = self._check(input_ids, attention_mask)
         starts = None if segments is None else segmenting.boundaries(segments, input_ids, real.cpu(), tokenizer)
         self._refuse_without_question(compress)
-        self._refuse_partial_replay()
+        if compress:
+            self._refuse_partial_replay()
         with self._changing():
             return self._prefill(input_ids, real, compress, logits, segments=starts)
 

@@ -135,3 +135,5 @@ def test_what_one_backward_pass_cannot_replay_is_refused_before_anything_changes
     with pytest.raises(ValueError, match="was compressed before"):
         cm.prefill(ids[:, :8])
     assert cm.cache_stats() == before, "the refused call leaves the cache as it was"
+    cm.prefill(ids[:, :8], compress=False)  # a question read after the compression is fine
+    assert cm.cache_stats()["bytes_held"] > before["bytes_held"]
