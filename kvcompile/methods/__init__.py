@@ -8,7 +8,7 @@ from . import capkv, cur, lagkv, leverage_score, noncausal_attention, observed_a
 from . import catekv, certkv, contourkv, page_entrokv, ripplekv, sgdkv  # noqa: F401  (registration: allocators)
 from . import growpage, h2o_decode, inertiakv, random_attention, snapkv_decode  # noqa: F401  (registration: decode)
 from . import chunks, composed, per_layer, scorer_decode  # noqa: F401  (registration: kvpress's wrappers)
-from . import duoattention, simlayerkv, streaming_heads, transactional  # noqa: F401  (registration: by structure)
+from . import duoattention, headwisekv, simlayerkv, streaming_heads, transactional  # noqa: F401  (registration: by structure)
 from .base import ALLOCATORS, SCORERS, Allocator, Observation, Scorer
 
 __all__ = ["ALLOCATORS", "SCORERS", "Allocator", "Observation", "Scorer"]
