@@ -13,7 +13,7 @@ Writes ``bench/results/structure_heads.{csv,json,md,png}``. With ``--headwise``,
 (``calibration.headwisekv``) against the same windows all equal (StreamingLLM, uniform allocation) and SnapKV at
 equal bytes, into ``bench/results/structure_headwise.*``:
 
-    python bench/structure.py --headwise --samples 6 --length 1024 --budgets 0.25,0.1 --calibration 4
+    python bench/structure.py --headwise --samples 3 --length 1024 --budgets 0.25,0.1 --calibration 2
  Transactional Attention runs from the command line
 (``kvcompile eval --recipes snapkv,ta-fast+snapkv --tasks credential,passkey``: ``bench/results/structure_ta``).
 """
@@ -63,7 +63,7 @@ def headwise(args) -> None:
         calibrated = Recipe(f"headwisekv-seqcalib{b:g}", base.scorer, base.allocator,
                             {**base.scorer_args, "windows": [list(layer) for layer in windows[b]]},
                             source=base.source, provenance=base.provenance, inferred=base.inferred)
-        results.append(sweep.run(cm, tok, ["streamingllm", "headwisekv", calibrated, "snapkv"], [b],
+        results.append(sweep.run(cm, tok, ["streamingllm", calibrated, "snapkv"], [b],
                                  args.tasks.split(","), n_samples=args.samples, length=args.length, kl=True,
                                  model="gemma3-270m"))
     result = {**results[0], "rows": [row for r in results for row in r["rows"]],

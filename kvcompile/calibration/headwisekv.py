@@ -52,7 +52,7 @@ def costs(context: int, window: int, sinks: int, levels: list[float]) -> Tensor:
 
 
 def _choose(model, samples, fractions, levels, sinks, probe) -> list[list[list[float]]]:
-    spec, K = model.spec, len(levels)
+    spec = model.spec
     L, Hkv = spec.num_layers, spec.num_kv_heads
     cost = torch.stack([torch.stack([costs(s.shape[1] - probe, w, sinks, levels) / (s.shape[1] - probe)
                                      for s in samples]).mean(0) for w in spec.windows])  # [L, K] context fractions
@@ -88,7 +88,7 @@ def _greedy(error: Tensor, cost: Tensor, floor: Tensor, allowance: float) -> Ten
 def _errors(model, samples, chosen: Tensor, layer: int, levels, sinks, probe) -> Tensor:
     """[Hkv, K] mean ``window_error`` of ``layer``'s heads at each level, the layers below at their ``chosen``
     levels (every layer from ``layer`` on keeps everything)."""
-    L, Hkv = model.spec.num_layers, model.spec.num_kv_heads
+    Hkv = model.spec.num_kv_heads
     windows = [[levels[k] if i < layer else 1.0 for k in row] for i, row in enumerate(chosen.tolist())]
     recipe = Recipe("seqcalib", "headwisekv", "fill-eligible",
                     {"windows": windows, "sinks": sinks, "base": "snapkv", "base_args": {"window": probe}})
