@@ -42,8 +42,9 @@ def training_rows(store_rows: list[dict], tok, seed: int) -> dict:
             context, question = sample.prompt(tok)
             ids = encode(tok, context) + encode(tok, question)
             prompts[key] = {"features": prompt_features(context + question, len(ids), ids), "rows": []}
-        prompts[key]["rows"].append({"config": f"{r['recipe']}/{float(r['budget']):g}", "latency_ms": 1000 * r["wall_s"],
-                                     "memory": r["bytes_held"] / 2**20, "correct": float(r["score"] >= 1.0)})
+        prompts[key]["rows"].append({"config": f"{r['recipe']}/{float(r['budget']):g}",
+                                     "latency_ms": 1000 * r["wall_s"], "memory": r["bytes_held"] / 2**20,
+                                     "correct": float(r["score"] >= 1.0)})
     return prompts
 
 

@@ -52,8 +52,9 @@ def configuration(config: str) -> tuple[str, float]:
 
 @dataclass
 class MetaKV:
-    """Predictors per configuration ``"recipe/budget"`` (``configuration`` reads one back): ``weights[config] = {"latency_ms": [...],
-    "memory": [...], "correct": [...]}`` over ``FEATURES``. Build with ``fit``; ``save``/``load`` as JSON."""
+    """Predictors per configuration ``"recipe/budget"`` (``configuration`` reads one back):
+    ``weights[config] = {"latency_ms": [...], "memory": [...], "correct": [...]}`` over ``FEATURES``.
+    Build with ``fit``; ``save``/``load`` as JSON."""
 
     weights: dict = field(default_factory=dict)
 
