@@ -30,11 +30,13 @@ RESULTS = Path(__file__).parent / "results"
 MODEL = "smollm2-135m"
 
 
-def training_rows(store_rows: list[dict], tok, seed: int) -> dict:
-    """{prompt: [row per configuration]} from the store's per-sample rows, with each prompt's features."""
+def training_rows(store_rows: list[dict], tok, seed: int, lengths, recipes) -> dict:
+    """{prompt: [row per configuration]} from the store's per-sample rows of these ``lengths`` and ``recipes``
+    (and the full cache), with each prompt's features."""
     prompts: dict = {}
     for r in store_rows:
-        if r["error"] is not None or r["model"] != MODEL:
+        wanted = r["length"] in lengths and r["recipe"] in {"full", *recipes} and r["seed"] == seed
+        if r["error"] is not None or r["model"] != MODEL or not wanted:
             continue
         key = (r["task"], r["length"], r["sample"])
         if key not in prompts:
@@ -110,6 +112,10 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['max_latency_ms']:.0f} | {r['max_memory_mib']:.2f} | {r['best_static']} | "
                      f"{r['static_success']:.3f} | {r['metakv_success']:.3f} | "
                      f"{r['metakv_success'] - r['static_success']:+.3f} | {r['oracle_success']:.3f} | {choices} |")
+    mean = lambda k: sum(r[k] for r in result["table"]) / len(result["table"])  # noqa: E731
+    lines += ["", f"Mean over the {len(result['table'])} limit pairs: best static {mean('static_success'):.3f}, "
+              f"MetaKV {mean('metakv_success'):.3f} ({mean('metakv_success') - mean('static_success'):+.3f}), "
+              f"oracle {mean('oracle_success'):.3f}."]
     lines += ["", f"Predictors' held-out error ({err['test_rows']} prompt x configuration rows): latency MAPE "
               f"{err['latency_mape']:.3f}, memory MAPE {err['memory_mape']:.3f}, correctness AUROC "
               f"{err['correct_auroc']:.3f}, Brier {err['correct_brier']:.3f}.", ""]
@@ -137,7 +143,9 @@ def main() -> None:
                       tasks, n_samples=args.samples, length=n, seed=args.seed, store=store, model=MODEL)
         rows = store.rows()
     sweep_s = time.perf_counter() - t0
-    prompts = training_rows(rows, tok, args.seed)
+    prompts = training_rows(rows, tok, args.seed, lengths, args.recipes.split(","))
+    complete = 1 + len(args.recipes.split(",")) * len(args.budgets.split(","))
+    prompts = {k: p for k, p in prompts.items() if len(p["rows"]) == complete}  # every configuration measured
     keys = sorted(prompts)
     random.Random(args.seed).shuffle(keys)
     cut = int(0.7 * len(keys))
