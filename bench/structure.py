@@ -8,7 +8,13 @@ the calibrated head scores are saved in the JSON (``structure``).
 
 (``--tau 0.8``, the paper's Mistral value: with its default 0.9 no SmolLM2 layer is lazy on a 1k prompt.)
 
-Writes ``bench/results/structure_heads.{csv,json,md,png}``. Transactional Attention runs from the command line
+Writes ``bench/results/structure_heads.{csv,json,md,png}``. With ``--headwise``, HeadWiseKV on Gemma-3-270M (15 of
+18 layers slide over 512 tokens) instead: windows calibrated per budget by SeqCalib on offline prose
+(``calibration.headwisekv``) against the same windows all equal (StreamingLLM, uniform allocation) and SnapKV at
+equal bytes, into ``bench/results/structure_headwise.*``:
+
+    python bench/structure.py --headwise --samples 3 --length 1024 --budgets 0.25,0.1 --calibration 2
+ Transactional Attention runs from the command line
 (``kvcompile eval --recipes snapkv,ta-fast+snapkv --tasks credential,passkey``: ``bench/results/structure_ta``).
 """
 
@@ -21,6 +27,7 @@ from pathlib import Path
 import torch
 
 import kvcompile
+from kvcompile.calibration import headwisekv
 from kvcompile.calibration.duoattention import calibrate
 from kvcompile.eval import sweep
 from kvcompile.eval.fidelity import prose_windows
@@ -43,6 +50,30 @@ def lazy_layers(cm, tok, length: int, recipe: Recipe) -> list[float]:
             for layer in probe.programs.layers]
 
 
+def headwise(args) -> None:
+    """HeadWiseKV with SeqCalib windows (one recipe per budget) against uniform windows and SnapKV on Gemma-3."""
+    model, tok = kvcompile.load_model("gemma3-270m")
+    cm = kvcompile.apply(model, budget=1.0, recipe="full")
+    base = get_recipe("headwisekv")
+    samples = [torch.tensor([w]) for w in prose_windows(tok, args.calibration, args.length)]
+    budgets = [sweep.parse_budget(b) for b in args.budgets.split(",")]
+    windows = headwisekv.calibrate(cm, samples, budgets, sinks=base.scorer_args["sinks"])
+    results = []
+    for b in budgets:
+        calibrated = Recipe(f"headwisekv-seqcalib{b:g}", base.scorer, base.allocator,
+                            {**base.scorer_args, "windows": [list(layer) for layer in windows[b]]},
+                            source=base.source, provenance=base.provenance, inferred=base.inferred)
+        results.append(sweep.run(cm, tok, ["streamingllm", calibrated, "snapkv"], [b],
+                                 args.tasks.split(","), n_samples=args.samples, length=args.length, kl=True,
+                                 model="gemma3-270m"))
+    result = {**results[0], "rows": [row for r in results for row in r["rows"]],
+              "samples": [s for r in results for s in r["samples"]],
+              "timing": {k: sum(r["timing"][k] for r in results) for k in results[0]["timing"]}}
+    result["structure"] = {"windows": {str(b): w for b, w in windows.items()}}
+    for path in sweep.write(result, RESULTS / "structure_headwise", model="gemma3-270m"):
+        print(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=10)
@@ -51,7 +82,10 @@ def main() -> None:
     ap.add_argument("--tasks", default="niah_single_1,passkey")
     ap.add_argument("--calibration", type=int, default=8, help="prose windows of 512 tokens to calibrate on")
     ap.add_argument("--tau", type=float, default=None, help="SimLayerKV's lazy threshold (default: the recipe's)")
+    ap.add_argument("--headwise", action="store_true", help="HeadWiseKV on Gemma-3-270M (structure_headwise)")
     args = ap.parse_args()
+    if args.headwise:
+        return headwise(args)
     model, tok = kvcompile.load_model("smollm2-135m")
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     duo = get_recipe("duoattention")

@@ -62,23 +62,34 @@ def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int) -> Tensor:
     return flat.reshape(B, L, Hkv).permute(1, 0, 2).contiguous()
 
 
-def token_counts(cache: PagedKVCache, allocator: Allocator, scores: Tensor, stats, budget_bytes: Tensor) -> Tensor:
-    """[L, B, Hkv] tokens each head keeps: the allocator's counts, at most what it holds, fit to whole pages."""
-    lengths = cache.held().long()
+def out_of_window(cache: PagedKVCache, layers, seen: Tensor) -> Tensor:
+    """[L, B, Hkv, S] True at the entries of a sliding-window layer that no query from position ``seen`` [B] on can
+    see (position <= seen - window): attention masks them anyway, so evicting them is lossless (S the longest head).
+    Queries only move forward from ``seen`` (a rewind never goes behind the last compression)."""
+    pos = cache.positions()
+    windows = torch.tensor([layer.window for layer in layers], device=pos.device)[:, None, None, None]
+    return (windows > 0) & (pos >= 0) & (pos <= seen[None, :, None, None] - windows)
+
+
+def token_counts(cache: PagedKVCache, allocator: Allocator, scores: Tensor, stats, budget_bytes: Tensor,
+                 lengths: Tensor) -> Tensor:
+    """[L, B, Hkv] tokens each head keeps: the allocator's counts, at most ``lengths`` (what it holds that is still
+    visible: ``out_of_window``), fit to whole pages."""
     counts = allocator.allocate(scores, lengths, budget_bytes // cache.stored_token_bytes, *stats)
     return fit_to_pages(counts.long().clamp(min=0).minimum(lengths), budget_bytes // cache.stored_page_bytes,
                         cache.page_size)
 
 
-def plan_tokens(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+def plan_tokens(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
     """Each head keeps its ``token_counts`` best tokens, pinned ones first."""
-    counts = token_counts(cache, allocator, scores, stats, budget_bytes)
+    counts = token_counts(cache, allocator, scores, stats, budget_bytes, lengths)
     return select(scores, counts, pinned_levels(scores, is_pinned(scores)))
 
 
-def plan_pages(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+def plan_pages(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
     """Whole logical pages, at most the budget's pages per sequence. A page scores the max of its tokens; a head's
-    last page may be partial (it still costs a page)."""
+    last page may be partial (it still costs a page). Pages count as held while any of their tokens is (``lengths``
+    is not read: a page of out-of-window tokens scores -inf and ranks last)."""
     S, P = scores.shape[-1], cache.page_size
     n_pages = -(-S // P)
     page_scores = F.pad(scores, (0, n_pages * P - S), value=float("-inf")).unflatten(-1, (n_pages, P)).amax(-1)
@@ -88,16 +99,17 @@ def plan_pages(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
     return Plan.of_mask(kept.repeat_interleave(P, dim=-1)[..., :S] & (scores > float("-inf")))
 
 
-def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
     """``plan_tokens`` with the last counted slot of every head that evicts spent on a summary of its evicted tail
     (``Allocator.summarize``, from the dense cache before compaction), written after the kept tokens."""
-    counts = token_counts(cache, allocator, scores, stats, budget_bytes)
+    counts = token_counts(cache, allocator, scores, stats, budget_bytes, lengths)
     summary = ((counts < cache.held()) & (counts > 0)).long()
     kept = rank(scores, pinned_levels(scores, is_pinned(scores))) < (counts - summary)[..., None]
     rows = []
     for layer in layers:
         obs = observe(cache, layer)
-        evicted = obs.valid & ~F.pad(kept[layer.index], (0, obs.valid.shape[-1] - kept.shape[-1]), value=False)
+        candidate = _padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])  # not apart, in window
+        evicted = obs.valid & candidate & ~_padded(kept[layer.index], obs.valid.shape[-1])
         rows.append(allocator.summarize(obs, evicted))
     keys, values, positions, log_weights = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv] x 2
     new = NewEntries(keys[..., None, :], values[..., None, :], positions[..., None], summary, log_weights[..., None])
@@ -140,14 +152,18 @@ WEIGHTED_STRATEGIES = frozenset({"tail-summary", "prototypes", "memory"})
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
-             recipe, apart: int = 0, gradients: Tensor | None = None) -> None:
+             recipe, apart: int = 0, seen: Tensor | None = None, gradients: Tensor | None = None) -> None:
     """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place, as
     ``recipe`` asks; with a page format, store what is kept in it (every token, unscored, when they all fit),
     except the ``recipe.precise_recent`` newest tokens, which stay in the model's dtype: kept first, their dtype
     bytes out of the budget, the rest of which the scorer's tokens share at the format's cost. With
     ``recipe.merge``, evicted values are folded into kept ones first (``merge_evicted``). The ``apart`` newest
     tokens (model dtype only) are no candidates: kept as they are, on top of ``budget_bytes``
-    (``CompressedModel.compress(keep_last=...)``). ``gradients``: as ``score_all`` reads them."""
+    (``CompressedModel.compress(keep_last=...)``). ``gradients``: as ``score_all`` reads them.
+
+    A sliding-window layer's entries that no later query can see (``out_of_window`` of ``seen`` [B], the next
+    position; default ``cache.seen``) go first, losslessly: they are no candidates and take nothing of the budget,
+    which the allocator then shares among what is still visible (on a hybrid model, mostly the global layers)."""
     precise_recent = recipe.precise_recent
     held = cache.held().long()
     recent = cache.newest(precise_recent)
@@ -166,14 +182,16 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
         return
     scores, stats = score_all(cache, scorer, layers, allocator, gradients)
     aside = _padded(cache.newest(apart), scores.shape[-1])
-    scores = scores.masked_fill(aside, float("-inf"))
+    dead = _padded(out_of_window(cache, layers, cache.seen if seen is None else seen), scores.shape[-1])
+    lengths = cache.held().long() - dead.sum(-1)
+    scores = scores.masked_fill(aside | dead, float("-inf"))
     if precise_recent:  # the window is kept apart: the scored tokens compete for what it leaves of the budget
         window = _padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes
-    plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers)
-    if apart:
-        plan = Plan.of_mask(plan.kept(scores.shape[-1]) | aside)
+    plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers, lengths)
+    if apart or bool(dead.any()):
+        plan = Plan.of_mask(plan.kept(scores.shape[-1]) & ~dead | aside, new=plan.new)
     if cache.page_format is not None:
         formats = torch.full_like(plan.keep, STORED_FORMAT)
         if precise_recent:

@@ -229,8 +229,9 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         budget = self.budget_bytes()
         if not bool((self.cache.bytes_held() > budget).any()) and self.recipe.format is None:
             return
+        seen = self.cache.seen.clone()  # the next query's position (a reconstruction prompt is appended and dropped)
         with self.observing() as (cache, gradients):
-            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe, apart,
+            compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe, apart, seen,
                            gradients)
             if self.recipe.rerotate_keys:
                 rerotation.rerotate(cache, self.spec)

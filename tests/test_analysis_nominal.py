@@ -82,7 +82,7 @@ def test_sample_rows_report_three_layouts_with_their_bytes(byte_full):
     assert row["mask = ragged"] == 1.0  # the same entries attended: the same answer
     assert row["mask bytes"] == result["summary"][0]["bytes_full"]  # every byte of the document held
     assert row["ragged bytes"] <= row["budget bytes"] and row["rectangular bytes"] <= row["budget bytes"]
-    assert "| passkey | adakv-snapkv@2 | 0.25 | 1 |" in nominal.markdown(result, "byte-llama", "cmd")
+    assert "| passkey | adakv-snapkv@3 | 0.25 | 1 |" in nominal.markdown(result, "byte-llama", "cmd")
 
 
 def test_cli_writes_the_table_and_the_samples(byte_full, tmp_path, capsys):

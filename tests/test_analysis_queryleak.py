@@ -107,9 +107,9 @@ def test_run_writes_every_condition_with_bytes(full, tmp_path):
     (row,) = result["decomposition"]
     assert row["n"] == 1 and all(row[f"{c} bytes"] > 0 for c in queryleak.CONDITIONS)
     assert row["restricted bytes"] == row["boundary bytes"]
-    assert {r["condition"] for r in result["samples"] if r["recipe"] == "snapkv@1"} == set(queryleak.CONDITIONS)
+    assert {r["condition"] for r in result["samples"] if r["recipe"] == "snapkv@2"} == set(queryleak.CONDITIONS)
     text = queryleak.markdown(result, "byte-llama", "kvcompile analyze queryleak")
-    assert "| passkey | snapkv@1 | 0.25 | 1 |" in text
+    assert "| passkey | snapkv@2 | 0.25 | 1 |" in text
 
 
 @pytest.mark.parametrize("run", [queryleak.run, nominal.run])

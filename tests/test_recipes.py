@@ -62,8 +62,9 @@ def test_changed_parameters_under_the_same_version_are_reported():
     changed = dataclasses.replace(snapkv, scorer_args={"window": 64, "kernel": 7})
     assert changed.fingerprint != snapkv.fingerprint
     (message,) = check_fingerprints([changed])
-    assert message.startswith("recipe 'snapkv'@1: its code or parameters changed") and "bump its version" in message
-    (message,) = check_fingerprints([dataclasses.replace(changed, version=2)])
+    assert message.startswith(f"recipe 'snapkv'@{snapkv.version}: its code or parameters changed")
+    assert "bump its version" in message
+    (message,) = check_fingerprints([dataclasses.replace(changed, version=snapkv.version + 1)])
     assert "not recorded at this version" in message and "--record" in message, "a bump must be recorded too"
 
 
@@ -114,7 +115,7 @@ def test_fingerprints_are_the_same_in_another_process_with_another_hash_seed():
 
 # ------------------------------------------------------------------------------------------ provenance
 def test_every_builtin_recipe_states_its_provenance():
-    assert len(RECIPES) == 55
+    assert len(RECIPES) == 56
     unstated = [name for name, r in RECIPES.items() if r.provenance == "custom"]
     assert not unstated, f"built-in recipes must state their evidence: {unstated}"
     assert {r.provenance for r in RECIPES.values()} <= set(PROVENANCE)
@@ -127,15 +128,15 @@ def test_an_unknown_provenance_is_refused():
 
 
 def test_recipes_show_tag_provenance_and_what_is_inferred(capsys):
-    assert str(kvcompile.recipes()["contourkv"]).startswith("contourkv@1: snapkv + contourkv (abstract; inferred: ")
+    assert str(kvcompile.recipes()["contourkv"]).startswith("contourkv@2: snapkv + contourkv (abstract; inferred: ")
     assert str(kvcompile.recipes()["full"]) == "full@1: nothing evicted + uniform (control)"
     assert cli(["recipes"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "| recipe | provenance | inferred | source |" and lines[2 + len(RECIPES)] == ""
     assert lines[3 + len(RECIPES)].startswith("| wrapper (compose as wrapper+recipe) |")
     assert len(lines) == 2 + len(RECIPES) + 3 + len(WRAPPERS) + 1
-    assert "| h2o@2 | peer | ranked once after prefill" in "\n".join(lines)
-    assert "| chunkkv@1 | peer |" in "\n".join(lines)
+    assert "| h2o@3 | peer | ranked once after prefill" in "\n".join(lines)
+    assert "| chunkkv@2 | peer |" in "\n".join(lines)
 
 
 def test_the_sweep_table_shows_provenance_next_to_the_recipe_tag():

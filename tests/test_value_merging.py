@@ -76,7 +76,7 @@ def test_merging_keeps_the_base_selection_and_keys_and_merges_values_as_specifie
     merging, merged = _compressed("merging+snapkv", shared)
     stats = merging.cache_stats()
     assert stats["bytes_held"] == base.cache_stats()["bytes_held"] <= stats["budget_bytes"]
-    assert stats["recipe"] == "merging+snapkv@1"
+    assert stats["recipe"] == "merging+snapkv@3"
     for (k0, v0, p0, ok0), (k1, v1, p1, ok1), (k, v, p, ok) in zip(before, plain, merged):
         assert torch.equal(k, k1) and torch.equal(p, p1) and torch.equal(ok, ok1), "keys and positions as the base's"
         kept = ok0 & (p0[..., :, None] == p1[..., None, :]).logical_and(ok1[..., None, :]).any(-1)

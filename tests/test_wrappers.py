@@ -154,8 +154,8 @@ def test_per_layer_without_ratios_for_every_layer_is_refused_at_apply(llama):
 
 def test_compositions_by_name_version_and_errors():
     r = kvcompile.get_recipe("chunkkv+adakv-snapkv")
-    assert (r.scorer, r.allocator, r.scorer_args["base"], r.version) == ("chunkkv", "adakv", "snapkv", 2)
-    assert r.tag == "chunkkv+adakv-snapkv@2" and r.fingerprint != kvcompile.get_recipe("adakv-snapkv").fingerprint
+    assert (r.scorer, r.allocator, r.scorer_args["base"], r.version) == ("chunkkv", "adakv", "snapkv", 4)
+    assert r.tag == "chunkkv+adakv-snapkv@4" and r.fingerprint != kvcompile.get_recipe("adakv-snapkv").fingerprint
     assert kvcompile.get_recipe("decoding+knorm").decode["args"]["scorer"] == "knorm"
     both = prefill_decoding("snapkv", "decoding+knorm")
     assert (both.scorer, both.decode["args"]["scorer"], both.decode["every"]) == ("snapkv", "knorm", 512)

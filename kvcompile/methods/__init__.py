@@ -9,7 +9,7 @@ from . import capkv, cur, lagkv, leverage_score, noncausal_attention, observed_a
 from . import catekv, certkv, contourkv, core, gracekv, page_entrokv, ripplekv, sgdkv  # noqa: F401  (registration)
 from . import cam, growpage, h2o_decode, inertiakv, random_attention, snapkv_decode  # noqa: F401  (decode time)
 from . import chunks, composed, lukv, per_layer, scorer_decode  # noqa: F401  (registration: kvpress's wrappers)
-from . import duoattention, simlayerkv, streaming_heads, transactional  # noqa: F401  (registration: by structure)
+from . import duoattention, headwisekv, simlayerkv, streaming_heads, transactional  # noqa: F401  (registration: by structure)
 from . import step_units  # noqa: F401  (registration: steps as units)
 from .base import ALLOCATORS, SCORERS, Allocator, Observation, Scorer
 

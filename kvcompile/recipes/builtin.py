@@ -21,45 +21,53 @@ _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts
 #     smoothing, z-score statistics), as kvpress slices them out; before, they widened every statistic.
 #   certkv (fingerprinted): the tail summary is one weighted entry (the tail's mean key and value, log-weight its
 #     log-mass under the reference query less the mean key's logit) instead of a synthetic key moved along that query.
+# Every recipe that evicts, one version up (the hybrid-model change): on a model with sliding-window layers
+#   (Gemma-3), prefill compression first evicts each sliding layer's tokens that no later query can see
+#   (``compress.out_of_window``: lossless, the attention mask hides them) and allocates the budget among what is
+#   still visible, so it goes to the global layers; the ``uniform`` allocator water-fills what capped heads leave
+#   (before, it gave every head budget / heads and left the rest unspent). Identical on models without sliding
+#   windows when no head is capped (the fingerprint model has none: fingerprints moved with ``uniform``'s code).
 # Version 3:
 #   kvzip: the reconstruction replays every token read since the last compression (with prefill_chunk, chunks that
 #     fit the budget are reconstructed with the next one), not only the chunk just read.
 _BUILTIN = [
     Recipe("full", None, source="no compression (reference)", provenance="control"),
-    Recipe("random", "random", source="uniform random eviction (control)", provenance="control"),
-    Recipe("streamingllm", "streamingllm", scorer_args={"sinks": 4}, source="https://arxiv.org/abs/2309.17453",
+    Recipe("random", "random", version=2, source="uniform random eviction (control)", provenance="control"),
+    Recipe("streamingllm", "streamingllm", version=2,
+           scorer_args={"sinks": 4}, source="https://arxiv.org/abs/2309.17453",
            provenance="peer"),
-    Recipe("knorm", "knorm", source="https://arxiv.org/abs/2406.11430", provenance="peer"),
-    Recipe("snapkv", "snapkv", scorer_args={"window": 32, "kernel": 7}, source="https://arxiv.org/abs/2404.14469",
+    Recipe("knorm", "knorm", version=2, source="https://arxiv.org/abs/2406.11430", provenance="peer"),
+    Recipe("snapkv", "snapkv", version=2,
+           scorer_args={"window": 32, "kernel": 7}, source="https://arxiv.org/abs/2404.14469",
            provenance="peer", inferred=_SNAPKV_WINDOW),
     Recipe(
         "pyramidkv", "snapkv", "pyramid", {"window": 32, "kernel": 7}, {"beta": 20.0, "window": 32},
-        source="https://arxiv.org/abs/2406.02069", provenance="peer", inferred=_SNAPKV_WINDOW,
+        version=2, source="https://arxiv.org/abs/2406.02069", provenance="peer", inferred=_SNAPKV_WINDOW,
     ),
     Recipe(
-        "adakv-snapkv", "snapkv", "adakv", {"window": 32, "kernel": 7}, {"alpha_safeguard": 0.2}, version=2,
+        "adakv-snapkv", "snapkv", "adakv", {"window": 32, "kernel": 7}, {"alpha_safeguard": 0.2}, version=3,
         source="https://arxiv.org/abs/2407.11550", provenance="peer", inferred=_SNAPKV_WINDOW,
     ),
     # scorers (prefill time); every one is query-agnostic: the context is compressed before the question is read
-    Recipe("tova", "tova", scorer_args={"pool": "layer"}, source="https://arxiv.org/abs/2401.06104",
+    Recipe("tova", "tova", version=2, scorer_args={"pool": "layer"}, source="https://arxiv.org/abs/2401.06104",
            provenance="peer", inferred="ranked once after prefill, as kvpress does, not once per decoding step"),
     Recipe(
-        "h2o", "h2o", scorer_args={"window": 8192, "block": 256, "heavy_ratio": 0.5}, version=2,
+        "h2o", "h2o", scorer_args={"window": 8192, "block": 256, "heavy_ratio": 0.5}, version=3,
         source="https://arxiv.org/abs/2306.14048 (as awslabs/keys_values)", provenance="peer",
         inferred="ranked once after prefill by every prefill query, not greedily per decoding step; the heavy and "
                  "recent halves merged into one ranking",
     ),
-    Recipe("keydiff", "keydiff", source="https://arxiv.org/abs/2504.15364", provenance="peer",
+    Recipe("keydiff", "keydiff", version=2, source="https://arxiv.org/abs/2504.15364", provenance="peer",
            inferred="the paper's block-wise eviction only with apply(prefill_chunk=...)"),
     Recipe(
         "expected-attention", "expected-attention",
-        scorer_args={"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0},
+        version=2, scorer_args={"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0},
         source="https://arxiv.org/abs/2510.00636", provenance="peer", inferred=_POST_ROPE_STATS,
     ),
     Recipe(
         "adakv-expected-attention", "expected-attention", "adakv",
         {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.01},
-        {"alpha_safeguard": 0.2}, version=2,
+        {"alpha_safeguard": 0.2}, version=3,
         source="https://arxiv.org/abs/2510.00636 (kvpress leaderboard pairing: AdaKV, epsilon 1e-2)",
         provenance="peer", inferred=_POST_ROPE_STATS,
     ),
@@ -68,22 +76,22 @@ _BUILTIN = [
         scorer_args={
             "base": "snapkv", "base_args": {"window": 32, "kernel": 7}, "epsilon": 1e-4, "first_stage_ratio": 0.5,
         },
-        version=2, source="https://arxiv.org/abs/2502.03805", provenance="peer", inferred=_CRITICAL,
+        version=3, source="https://arxiv.org/abs/2502.03805", provenance="peer", inferred=_CRITICAL,
     ),
     Recipe(
         "adakv-criticalkv", "criticalkv", "adakv",
         {"base": "snapkv", "base_args": {"window": 32, "kernel": 7}, "epsilon": 1e-4, "first_stage_ratio": 0.5},
-        {"alpha_safeguard": 0.2}, version=2,
+        {"alpha_safeguard": 0.2}, version=3,
         source="https://arxiv.org/abs/2502.03805 (CriticalAdaKV)", provenance="peer", inferred=_CRITICAL,
     ),
     Recipe(
         "compactor", "compactor",
         scorer_args={"sinks_start": 8, "sinks_end": 4, "chunk": 256, "sketch": 48, "blending": 0.35, "window": 8192},
-        version=2, source="https://arxiv.org/abs/2507.08143", provenance="peer",
+        version=3, source="https://arxiv.org/abs/2507.08143", provenance="peer",
         inferred="post-RoPE keys; blending fixed at 0.35, where kvpress uses the compression ratio; z-scores per head",
     ),
     Recipe(
-        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, version=3,
+        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, version=4,
         source="https://arxiv.org/abs/2505.23416", provenance="peer",
         inferred="no 'Repeat the previous context' instruction, as scorers have no tokenizer; one reconstruction chunk",
     ),
@@ -94,60 +102,61 @@ _BUILTIN = [
                  "previous context' prompts); the backward pass through the source model, not the paged programs",
     ),
     Recipe(
-        "jacap", "jacap", scorer_args={"tau": 10.0, "window": 512, "n_sink": 4}, source="https://arxiv.org/abs/2609.08131",
+        "jacap", "jacap", version=2,
+        scorer_args={"tau": 10.0, "window": 512, "n_sink": 4}, source="https://arxiv.org/abs/2609.08131",
         provenance="abstract",
         inferred="the formulas from a full-text summary; the attention prior, query variance and weight scale as in "
                  "CapKV's kvpress code",
     ),
     Recipe(
         "twinkv", "twinkv", "twinkv", {"tau": 0.9, "local": 32, "lam": 1.0, "window": 32, "n_sink": 4}, {"floor": 0.2},
-        source="https://arxiv.org/abs/2608.27128", provenance="abstract",
+        version=2, source="https://arxiv.org/abs/2608.27128", provenance="abstract",
         inferred="v2 abstract with v1 details: the discount 1/(1 + lam f), prefix attention, capacities proportional "
                  "to it with a 0.2 floor",
     ),
     # kvpress presses under their kvpress names and defaults (METHODS.md sections 26 onward)
     Recipe(
-        "observed-attention", "observed-attention", scorer_args={"window": 8192, "block": 256},
+        "observed-attention", "observed-attention", version=2, scorer_args={"window": 8192, "block": 256},
         source="https://arxiv.org/abs/2306.14048 (kvpress ObservedAttentionPress)", provenance="peer",
         inferred="the last 8192 prompt queries (kvpress: every one); a query outside a sliding window is not counted",
     ),
     Recipe(
-        "lagkv", "lagkv", scorer_args={"n_sink": 4, "lag_size": 128, "cross_scoring": False},
+        "lagkv", "lagkv", version=2, scorer_args={"n_sink": 4, "lag_size": 128, "cross_scoring": False},
         source="https://arxiv.org/abs/2504.04704", provenance="peer",
         inferred="partitions in each head's held order; a zero reference range divided by 1e-6 instead of NaN",
     ),
     Recipe(
-        "noncausal-attention", "noncausal-attention", scorer_args={"chunk": 256, "window": 8192},
+        "noncausal-attention", "noncausal-attention", version=2, scorer_args={"chunk": 256, "window": 8192},
         source="https://arxiv.org/abs/2507.08143 (Compactor's attention component)", provenance="peer",
         inferred="the last 8192 post-RoPE queries; scaled logits, masked chunk padding, smoothing and z-scores over "
                  "each head's held tokens (kvpress: unscaled, padding leaks mass, z over the layer)",
     ),
     Recipe(
-        "leverage-score", "leverage-score", scorer_args={"sketch": 48, "seed": 0},
+        "leverage-score", "leverage-score", version=2, scorer_args={"sketch": 48, "seed": 0},
         source="https://arxiv.org/abs/2507.08143 (Compactor's leverage component)", provenance="peer",
         inferred="post-RoPE keys; a seeded sketch per layer and head; a 1e-9 ridge, not 1e-2 Cholesky jitter; "
                  "z-scores per head",
     ),
     Recipe(
         "cur", "cur",
-        scorer_args={"num_sinks": 4, "leverage_type": "kv_product", "use_random_leverage": False,
+        version=2, scorer_args={"num_sinks": 4, "leverage_type": "kv_product", "use_random_leverage": False,
                      "use_local_approximation": True, "local_window_size": 16},
         source="https://arxiv.org/abs/2509.15038", provenance="peer",
         inferred="windows in each head's held order; a window of zero energy scores 0 instead of NaN",
     ),
     Recipe(
-        "cappress", "cappress", scorer_args={"tau": 5.0, "window": 512, "n_sink": 4, "epsilon": 1e-6},
+        "cappress", "cappress", version=2, scorer_args={"tau": 5.0, "window": 512, "n_sink": 4, "epsilon": 1e-6},
         source="https://arxiv.org/abs/2604.25975 (kvpress CapPress)", provenance="peer",
         inferred="query anchor = mean of the last 512 post-RoPE queries; kvpress: pre-RoPE ones, rotated by the "
                  "RoPE averaged over the next 512 positions",
     ),
-    Recipe("qfilter", "qfilter", scorer_args={"window": 512},
+    Recipe("qfilter", "qfilter", version=2, scorer_args={"window": 512},
            source="https://arxiv.org/abs/2503.02812 (per-prompt filters until calibration.qfilter.calibrate fills "
                   "filters)", provenance="peer",
            inferred="filters = the first right-singular vector of the model's own post-RoPE queries, signed along "
                     "them and scored +<u, k> (kvpress downloads published filters and scores -<f, k>); uncalibrated, "
                     "each prompt's last 512 queries"),
-    Recipe("finch", "finch", scorer_args={"normalize_scores": True, "window": 8192}, query_aware=True,
+    Recipe("finch", "finch", version=2, scorer_args={"normalize_scores": True, "window": 8192}, query_aware=True,
            source="https://doi.org/10.1162/tacl_a_00716", provenance="peer",
            inferred="the question is generate's input_ids after context_ids (no delimiter token), at most its last "
                     "8192 tokens; keys keep their positions (kvpress: rerotate_keys=True, which is "
@@ -156,7 +165,7 @@ _BUILTIN = [
            {"agg_task": "max", "agg_group": "mean", "add_v_norm": False, "add_mean_across_heads": True,
             "window": 8192},
            {"structured": True, "agg_head": "mean", "keep_token_lower_bound": 0},
-           source="https://arxiv.org/abs/2509.05165", provenance="peer",
+           version=2, source="https://arxiv.org/abs/2509.05165", provenance="peer",
            inferred="the second pass is a context reconstruction (the context alone, its tokens dropped after); the "
                     "one-token floor per layer comes out of the budget, not on top of it"),
     Recipe("lukv", "expected-attention", "lukv",
@@ -168,12 +177,12 @@ _BUILTIN = [
                     "token is not pinned (kvpress: window=1); " + _POST_ROPE_STATS),
     # allocators (prefill time), with the scorer each paper pairs them with
     Recipe("contourkv", "snapkv", "contourkv", {"window": 32, "kernel": 7}, {"variant": "contour"},
-           source="https://arxiv.org/abs/2608.25230", provenance="abstract",
+           version=2, source="https://arxiv.org/abs/2608.25230", provenance="abstract",
            inferred="the per-head mass curve, the shared level and its exact solution; pins spread evenly"),
     Recipe("contourkv-balancing", "snapkv", "contourkv", {"window": 32, "kernel": 7}, {"variant": "balancing"},
-           source="https://arxiv.org/abs/2608.25230 (balancing variant)", provenance="abstract",
+           version=2, source="https://arxiv.org/abs/2608.25230 (balancing variant)", provenance="abstract",
            inferred="'balancing' read as equal marginal mass, i.e. the least total dropped mass"),
-    Recipe("certkv", "snapkv", "certkv", {"window": 32, "kernel": 7}, version=2,
+    Recipe("certkv", "snapkv", "certkv", {"window": 32, "kernel": 7}, version=3,
            source="https://arxiv.org/abs/2608.21541", provenance="abstract",
            inferred="the method from third-party full-text reads; the summary's log-weight (the tail's mass for the "
                     "mean window query) is our choice, the paper leaves a mass term open; a head evicting one token "
@@ -198,22 +207,22 @@ _BUILTIN = [
            {"memory": 4, "gamma": 1.0, "delta": 0.1, "merged": False},
            source="core's retention without its memory entries (control)", provenance="control"),
     Recipe("page-entrokv", "page-entrokv", "page-entrokv", {"window": 32, "sinks": 4, "tau": 1.0},
-           source="https://arxiv.org/abs/2610.03135", provenance="abstract",
+           version=2, source="https://arxiv.org/abs/2610.03135", provenance="abstract",
            inferred="the observed queries (last 32), 4 sinks, tau 1 from unofficial code; its layer budgets and "
                     "anchor pages left out"),
     Recipe("ripplekv", "snapkv", "ripplekv", {"window": 32, "kernel": 7}, {"ratio": 4.0},
            source="https://arxiv.org/abs/2608.08684 (uniform until calibration.ripplekv.calibrate fills layer_sensitivity)",
-           provenance="abstract",
+           version=2, provenance="abstract",
            inferred="the noise, 0.5 x RMS Gaussian; the KL; min-max normalisation; ratio 4; the calibration text"),
     Recipe("sgd-kv", "snapkv", "sgd-kv", {"window": 128, "kernel": 7}, {"reserve": 128},
            source="https://arxiv.org/abs/2609.03235 (uniform until calibration.sgdkv.calibrate fills head_scores)",
-           provenance="abstract",
+           version=2, provenance="abstract",
            inferred="the method from a full-text summary; a teacher-forced diagnostic, token-level matching, "
                     "reserve 128"),
     Recipe("catekv", "catekv", "catekv",
            {"last_q": 64, "init": 64, "recent": 256, "chunk": 16, "top_threshold": 0.6, "top_fraction": 0.995},
            {"adaptive_fraction": 0.4, "consistent_share": 0.25},
-           source="https://github.com/jhy-123/CateKV (ICML 2025)",
+           version=2, source="https://github.com/jhy-123/CateKV (ICML 2025)",
            provenance="official-code",
            inferred="consistent heads keep 0.25 of the uniform share, where the paper keeps adaptive heads full; "
                     "a per-prompt CV test until calibration.catekv.calibrate fills adaptive_heads"),
@@ -221,35 +230,42 @@ _BUILTIN = [
     Recipe("simlayerkv", "simlayerkv", "fill-eligible",
            {"tau": 0.9, "sinks": 4, "recent": 64, "last": 1,
             "base": "snapkv", "base_args": {"window": 32, "kernel": 7}},
-           source="https://arxiv.org/abs/2410.13846 (kvpress SimLayerKVPress)", provenance="peer",
+           version=2, source="https://arxiv.org/abs/2410.13846 (kvpress SimLayerKVPress)", provenance="peer",
            inferred="recent 64 for 1k contexts (kvpress: 1024), tau 0.9 (the paper's Llama-3 value); decided per "
                     "sequence, not averaged over the batch; under a budget the other layers rank by SnapKV and share "
                     "what lazy layers leave (kvpress keeps them whole); prefill only"),
     Recipe("duoattention", "duoattention", "fill-eligible",
            {"streaming": 0.5, "sinks": 4, "recent": 64, "base": "snapkv", "base_args": {"window": 32, "kernel": 7}},
            source="https://arxiv.org/abs/2410.10819 (kvpress DuoAttentionPress; per-prompt head scores until "
-                  "calibration.duoattention.calibrate fills head_scores)", provenance="peer",
+                  "calibration.duoattention.calibrate fills head_scores)", provenance="peer", version=2,
            inferred="a head's score is its output error under the streaming mask on offline text, not a trained "
                     "gate; sinks 4 and recent 64 for 1k contexts (paper: 128 and 256); half the heads stream; "
                     "retrieval heads rank by SnapKV within the budget; prefill only"),
+    Recipe("headwisekv", "headwisekv", "fill-eligible", {"sinks": 4, "base": "streamingllm", "base_args": {"sinks": 4}},
+           source="https://arxiv.org/abs/2609.02029 (HeadWiseKV / SeqCalib; every window the whole context until "
+                  "calibration.headwisekv.calibrate fills windows)", provenance="abstract",
+           inferred="from a full-text summary: the levels (fractions of the context, not 8K/16K/32K), 4 sinks, "
+                    "SeqCalib's criterion (output error removed per token, greedy under each layer's share of the "
+                    "aggregate budget, not a similarity floor per head); applies to every layer, sliding ones cost "
+                    "only their window; prefill only"),
     # decode time (kvcompile.schedule): the budget caps the cache while generating; the prefill scorer acts only
     # when the prompt alone is over the cap (SnapKV with a window of one query = the last query's attention)
-    Recipe("inertiakv", "snapkv", scorer_args={"window": 1, "kernel": 1},
+    Recipe("inertiakv", "snapkv", version=2, scorer_args={"window": 1, "kernel": 1},
            decode={"policy": "inertiakv", "every": 16, "recent": 32, "sinks": 4, "args": {"alpha": 0.8}},
            source="https://arxiv.org/abs/2609.03515 (per-head EMA)", provenance="abstract",
            inferred=_INERTIA + "; new tokens start at 0"),
-    Recipe("inertiakv-lazy", "snapkv", scorer_args={"window": 1, "kernel": 1},
+    Recipe("inertiakv-lazy", "snapkv", version=2, scorer_args={"window": 1, "kernel": 1},
            decode={"policy": "inertiakv", "every": 16, "recent": 32, "sinks": 4, "args": {"alpha": 0.8, "refresh": 4}},
            source="https://arxiv.org/abs/2609.03515 (InertiaKV-Lazy4)", provenance="abstract", inferred=_INERTIA),
-    Recipe("score-free", "snapkv", scorer_args={"window": 1, "kernel": 1},
+    Recipe("score-free", "snapkv", version=2, scorer_args={"window": 1, "kernel": 1},
            decode={"policy": "score-free", "every": 16, "recent": 32, "sinks": 4},
            source="https://arxiv.org/abs/2609.03515 (Score-Free)", provenance="abstract",
            inferred=_INERTIA + "; later tokens FIFO, newest first"),
     Recipe("random-attention", "random",
-           decode={"policy": "random-attention", "every": 64, "recent": 64, "prompt": True},
+           version=2, decode={"policy": "random-attention", "every": 64, "recent": 64, "prompt": True},
            source="https://arxiv.org/abs/2609.03430 (random_pp: prompt + recent 64 kept, bursts of 64)",
            provenance="official-code", inferred="the recent window outranks the prompt when both do not fit"),
-    Recipe("h2o-decode", "snapkv", scorer_args={"window": 1, "kernel": 1},
+    Recipe("h2o-decode", "snapkv", version=2, scorer_args={"window": 1, "kernel": 1},
            decode={"policy": "h2o-decode", "every": 16, "recent": 32, "sinks": 4},
            source="https://arxiv.org/abs/2306.14048 (attention summed over generated steps, as awslabs/keys_values)",
            provenance="peer", inferred="the grace period is the recent window of 32; evicts every 16 steps"),
@@ -260,13 +276,13 @@ _BUILTIN = [
            inferred="h2o-decode's schedule (every 16, recent 32, 4 sinks) where kvpress runs every 512 tokens down "
                     "to 2048; each KV head evicts its own tokens (kvpress: one set for all); merges only at "
                     "decode-time runs (a prompt over the cap is cut by the prefill scorer, unmerged)"),
-    Recipe("snapkv-decode", "snapkv", scorer_args={"window": 32, "kernel": 7},
+    Recipe("snapkv-decode", "snapkv", version=2, scorer_args={"window": 32, "kernel": 7},
            decode={"policy": "snapkv-decode", "every": 16, "recent": 32, "sinks": 4,
                    "args": {"window": 32, "kernel": 7}},
            source="https://arxiv.org/abs/2404.14469 (re-scored from the last 32 queries at every eviction)",
            provenance="abstract",
            inferred="SnapKV re-applied at every eviction as R-KV-style decode baselines describe it; no code read"),
-    Recipe("growpage", "snapkv", scorer_args={"window": 1, "kernel": 1},
+    Recipe("growpage", "snapkv", version=2, scorer_args={"window": 1, "kernel": 1},
            decode={"policy": "growpage", "every": 16, "recent": 16, "sinks": 4},
            source="https://arxiv.org/abs/2609.03494", provenance="abstract",
            inferred="the method from a full-text summary; betas, working set, threshold, floor, max_share, "

@@ -16,54 +16,59 @@ from . import RECIPES, Recipe, get_recipe
 
 _PINS = "the base's pinned tokens rank first, their scores left out of the chunks' (kvpress adds max + 1 to them)"
 _WRAPPERS = [  # (role, template)
-    ("scorer", Recipe("chunkkv", "chunkkv", scorer_args={"chunk": 20}, source="https://arxiv.org/abs/2502.00299",
+    ("scorer", Recipe("chunkkv", "chunkkv", version=2,
+                      scorer_args={"chunk": 20}, source="https://arxiv.org/abs/2502.00299",
                       provenance="peer", inferred="the budget's last chunk is cut, where kvpress keeps it whole; " + _PINS)),
     ("scorer", Recipe("entropy-gated-chunkkv", "entropy-gated-chunkkv",
-                      scorer_args={"chunk": 10, "low_entropy_chunk_length": 4},
+                      version=2, scorer_args={"chunk": 10, "low_entropy_chunk_length": 4},
                       source="kvpress 0.5.5 EntropyGatedChunkKVPress (no paper)", provenance="peer",
                       inferred=_PINS)),
-    ("scorer", Recipe("chunk", "chunk", scorer_args={"chunk": 1024}, source="kvpress 0.5.5 ChunkPress (FINCH-style)",
+    ("scorer", Recipe("chunk", "chunk", version=2,
+                      scorer_args={"chunk": 1024}, source="kvpress 0.5.5 ChunkPress (FINCH-style)",
                       provenance="peer", inferred="chunk shares differ from kvpress's max(1, len (1 - ratio)) by "
                                                   "rounding; chunks by original position")),
-    ("scorer", Recipe("composed", "composed", scorer_args={"keep": 0.5}, source="kvpress 0.5.5 ComposedPress",
+    ("scorer", Recipe("composed", "composed", version=2,
+                      scorer_args={"keep": 0.5}, source="kvpress 0.5.5 ComposedPress",
                       provenance="peer", inferred="the budget sets the final count; the first scorer's share is "
                                                   "``keep`` (kvpress: the product of the presses' ratios)")),
-    ("scorer", Recipe("ta-fast", "ta-fast", scorer_args={"span": 16, "share": 0.25},
+    ("scorer", Recipe("ta-fast", "ta-fast", version=2, scorer_args={"span": 16, "share": 0.25},
                       source="https://arxiv.org/abs/2604.11288 (Transactional Attention, TA-Fast)",
                       provenance="abstract",
                       inferred="from the abstract: anchors as token-id sequences (recipes.anchors.resolve), a value "
                                "of at most 16 tokens ending before a newline or quote, a 0.25 share of the budget "
                                "spent in context order; the scores are the merged ranking, nothing pinned")),
-    ("scorer", Recipe("ta", "ta", scorer_args={"span": 16, "share": 0.25, "link": 0.02, "window": 8192},
+    ("scorer", Recipe("ta", "ta", version=2, scorer_args={"span": 16, "share": 0.25, "link": 0.02, "window": 8192},
                       source="https://arxiv.org/abs/2604.11288 (Transactional Attention, TA)", provenance="abstract",
                       inferred="from the abstract: as ta-fast, but a value ends where its own queries pay the anchor "
                                "less than 0.02 of their attention (the paper's rule is not in the abstract); reads "
                                "the last 8192 prompt queries")),
-    ("allocator", Recipe("adakv", "snapkv", "adakv", allocator_args={"alpha_safeguard": 0.2},
+    ("allocator", Recipe("adakv", "snapkv", "adakv", version=2, allocator_args={"alpha_safeguard": 0.2},
                          source="https://arxiv.org/abs/2407.11550 (kvpress AdaKVPress around any scorer)",
                          provenance="peer")),
-    ("allocator", Recipe("per-layer", "snapkv", "per-layer", source="kvpress 0.5.5 PerLayerCompressionPress",
+    ("allocator", Recipe("per-layer", "snapkv", "per-layer", version=2, source="kvpress 0.5.5 PerLayerCompressionPress",
                          provenance="peer", inferred="the ratios rescaled to spend the budget")),
-    ("prefill", Recipe("block", "snapkv", prefill_chunk=128, source="https://arxiv.org/abs/2504.15364 (block "
+    ("prefill", Recipe("block", "snapkv", version=2,
+                       prefill_chunk=128, source="https://arxiv.org/abs/2504.15364 (block "
                        "prompt processing; kvpress BlockPress)", provenance="peer",
                        inferred="real chunked prefill, each 128-token block compressed with what was kept: kvpress "
                                 "simulates it on the keys of one full prefill")),
-    ("rerotate", Recipe("key-rerotation", "snapkv", rerotate_keys=True,
+    ("rerotate", Recipe("key-rerotation", "snapkv", version=2, rerotate_keys=True,
                         source="kvpress 0.5.5 KeyRerotationPress (FINCH's rerotate_keys)", provenance="peer",
                         inferred="kept keys moved right before the next query, not to 0..n-1 with the query moved to "
                                  "n: the same query-key distances, with one query position for ragged heads")),
-    ("merge", Recipe("merging", "snapkv", merge={"similarity_threshold": 0.0, "merge_fraction": 1.0},
+    ("merge", Recipe("merging", "snapkv", version=2, merge={"similarity_threshold": 0.0, "merge_fraction": 1.0},
                      source="kvpress 0.5.5 MergingPress (after ToMe, arXiv 2210.09461, and D2O, arXiv 2406.13035)",
                      provenance="peer",
                      inferred="the epsilon of the merge weight (1e-6); the fraction's quantile over every evicted "
                               "similarity of a head; merges into whatever the allocator keeps, ragged or not")),
-    ("decode", Recipe("decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
+    ("decode", Recipe("decoding", "snapkv", version=2, decode={"policy": "scorer", "every": 512, "recent": 0,
                                                     "args": {"buffer": 256}},
                       source="kvpress 0.5.5 DecodingPress", provenance="peer",
                       inferred="the cap is a bound (kvpress oscillates between target and target + interval), so "
                                "the first run comes after the first decode step, then every 512; the wrapped scorer "
                                "also compresses a prompt over the cap")),
-    ("decode", Recipe("compression-ratio-decoding", "snapkv", decode={"policy": "scorer", "every": 512, "recent": 0,
+    ("decode", Recipe("compression-ratio-decoding", "snapkv", version=2,
+                      decode={"policy": "scorer", "every": 512, "recent": 0,
                                                                       "args": {"buffer": 256}},
                       source="kvpress 0.5.5 CompressionRatioDecodingPress (a fraction budget: the cap is that "
                              "fraction of the tokens seen)", provenance="peer",
