@@ -14,7 +14,8 @@ step and then every ``every`` steps, ``run``:
 4. reserves room for the next ``every`` tokens in the pages given up.
 
 The cap is the model's budget, per sequence: a token count is tokens per KV head, a byte size is spread evenly over
-(layer, KV head), a fraction is that fraction of the tokens the row has seen. ``start`` sizes the pool for the cap
+(layer, KV head), a fraction is that fraction of the tokens the row has seen; rounded down to whole pages, so the
+bytes held never pass the budget between runs. ``start`` sizes the pool for the cap
 once (``PagedKVCache.provision``); a fraction cap grows it by at most ``GROWTH`` at a time as the cap grows. The
 ring keeps only the window the policy reads. Runs sync with the host; decode steps do not.
 """
@@ -170,8 +171,10 @@ class DecodeCompressor:
                 cache.rewrite(layer.index, values=merged)
 
     def ceiling(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
-        """[B] tokens per KV head the cap allows a row that has read ``seen`` tokens."""
-        return cache.budget_tokens(self.budget, seen)
+        """[B] tokens per KV head the cap allows a row that has read ``seen`` tokens, in whole pages: bytes are held
+        by the page, so a head filled to a ceiling that ended mid-page would hold more than the cap."""
+        P = cache.page_size
+        return cache.budget_tokens(self.budget, seen) // P * P
 
     def _levels(self, obs, newest: Tensor) -> Tensor:
         """[B, Hkv, S] protection level of every held token (EMPTY where nothing is held)."""

@@ -93,7 +93,10 @@ def test_pool_storage_stays_near_the_cap_over_1000_tokens(base, name, budget):
         pool = stats["bytes"]["payload"] + stats["bytes"]["free_pages"]
         bound = 1.15 * stats["budget_bytes"] + (L * B * Hkv + 1) * cm.cache.page_bytes
         assert pool <= bound, f"step {step}: pool {pool} B > {bound:.0f} B (cap {stats['budget_bytes']} B)"
-        assert stats["bytes_held"] <= stats["budget_bytes"] + L * B * Hkv * cm.cache.page_bytes, f"step {step}"
+        # caps are whole pages (``DecodeCompressor.ceiling``): nothing held beyond the budget, except that GrowPage
+        # shares a row's cap unevenly between heads, each with up to one partial page
+        slack = L * B * Hkv * cm.cache.page_bytes if name == "growpage" else 0
+        assert stats["bytes_held"] <= stats["budget_bytes"] + slack, f"step {step}"
 
 
 def test_unprotected_prompt_is_evicted(base):

@@ -27,6 +27,9 @@ _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts
 #   still visible, so it goes to the global layers; the ``uniform`` allocator water-fills what capped heads leave
 #   (before, it gave every head budget / heads and left the rest unspent). Identical on models without sliding
 #   windows when no head is capped (the fingerprint model has none: fingerprints moved with ``uniform``'s code).
+#   The decode-time recipes (and the ``decoding`` wrappers) in the same step: their cap is rounded down to whole
+#   pages (``DecodeCompressor.ceiling``), so a head filled to the cap between runs no longer holds a partial page
+#   beyond the budget.
 # Version 3:
 #   kvzip: the reconstruction replays every token read since the last compression (with prefill_chunk, chunks that
 #     fit the budget are reconstructed with the next one), not only the chunk just read.
