@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from ...model import CompressedModel
 from ..decoding import answer, encode, ids_tensor, read_question
-from ..synthetic import _FILLER, Sample, Task, make_sample, string_match_all
+from ..samples import Sample, Task, string_match_all
+from ..synthetic import _FILLER, make_sample
 from ..sweep import grid, shared_base
 from . import diagnose, masked, tables
 
