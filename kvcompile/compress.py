@@ -116,24 +116,30 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers, len
     return Plan.of_mask(kept, new=new)
 
 
-def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
     """Every entry an allocator's choice of original tokens and prototypes (``Allocator.prototypes``: GraceKV),
-    within the budget's pages of each row; when every held token fits, all are kept as they are."""
+    within the budget's pages of each row; when every held token fits, all are kept as they are. Tokens that are no
+    candidates (scored -inf: out of a sliding window, or kept apart) are left out of the allocator's view (``lengths``
+    counts the rest)."""
     held = cache.held().long()
     max_pages = budget_bytes // cache.stored_page_bytes
     if bool((cache.pages_held(held).sum((0, 2)) <= max_pages).all()):
         return Plan.of_mask(scores > float("-inf"))
-    observations = [observe(cache, layer) for layer in layers]
+    observations = []
+    for layer in layers:
+        obs = observe(cache, layer)
+        candidate = _padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])
+        observations.append(dataclasses.replace(obs, valid=obs.valid & candidate))
     kept, keys, values, positions, log_weights, counts = allocator.prototypes(observations, scores, max_pages,
                                                                              cache.page_size)
     return Plan.of_mask(kept, new=NewEntries(keys, values, positions, counts, log_weights))
 
 
-def plan_memory(cache, allocator, scores, stats, budget_bytes, layers) -> Plan:
+def plan_memory(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
     """``token_counts`` per head, of which a head that evicts spends up to ``allocator.memory`` on memory entries
     (``Allocator.summarize``) and keeps the rest by the allocator's own rule (``Allocator.retain``): CORE."""
-    counts = token_counts(cache, allocator, scores, stats, budget_bytes)
-    evicts = (counts < cache.held()) & (counts > 1)
+    counts = token_counts(cache, allocator, scores, stats, budget_bytes, lengths)
+    evicts = (counts < lengths) & (counts > 1)
     memory = torch.where(evicts, (counts - 1).clamp_max(allocator.memory), 0)
     kept, rows = [], []
     for layer in layers:
