@@ -13,6 +13,8 @@ from kvcompile.kernels import reference
 # prefill (FINCH reads the question apart: tests/test_presses_b.py)
 RECIPES = sorted(name for name, r in kvcompile.recipes().items()
                  if r.scorer is not None and r.decode is None and not r.query_aware)
+# controls that leave part of the budget unspent by definition
+UNDERSPENT = {"core-unmerged": "CORE's kept tokens without its memory entries: their slots stay empty"}
 
 
 @pytest.mark.parametrize("budget", [0.5, 0.25, 0.1])
@@ -23,7 +25,8 @@ def test_bytes_held_within_budget(llama_cm, recipe, budget):
     cm.prefill(ids, mask)
     stats = cm.cache_stats()
     assert stats["bytes_held"] <= stats["budget_bytes"]
-    assert stats["bytes_held"] >= 0.75 * stats["budget_bytes"], "the budget should be (nearly) used"
+    if recipe not in UNDERSPENT:
+        assert stats["bytes_held"] >= 0.75 * stats["budget_bytes"], "the budget should be (nearly) used"
     held = cm.cache.bytes_held()
     per_row = cm.budget_bytes()
     assert (held <= per_row).all(), f"a sequence is over its own budget: {held.tolist()} > {per_row.tolist()}"
