@@ -1,7 +1,7 @@
 """Ragged decode at equal bytes: a per-head allocator (Ada-KV) against the uniform recipe with the same scorer.
 
 A per-head allocator leaves heads of different lengths. The eager CPU decode reads them class by class
-(``kernels.reference.length_classes``: heads grouped by page count, each class gathered only up to its longest
+(``kernels.ragged.length_classes``: heads grouped by page count, each class gathered only up to its longest
 head); before, every head was gathered up to the longest head of the layer. This script times, in one run and
 taking turns: ``snapkv`` (uniform, its pages read in place), ``adakv-snapkv`` by length class, and
 ``adakv-snapkv`` with one gather per layer (the old path: ``CLASS_OVERHEAD`` set so high that one class always
@@ -24,7 +24,7 @@ import torch
 from decode import interleaved, kv_steps
 
 import kvcompile
-from kvcompile.kernels import reference
+from kvcompile.kernels import ragged
 from kvcompile.steps import RESERVE_AHEAD
 
 RESULTS = Path(__file__).parent / "results"
@@ -38,18 +38,18 @@ def pages_read(cm) -> dict:
         pages = (lengths.reshape(-1).long() + P - 1) // P
         out["held"] += int(pages.sum())
         out["one_gather"] += int(pages.max()) * pages.numel()
-        out["classes"] += sum(int(pages[c].max()) * len(c) for c in reference.length_classes(lengths, P))
+        out["classes"] += sum(int(pages[c].max()) * len(c) for c in ragged.length_classes(lengths, P))
     return out
 
 
 def one_gather(step):
     """``step`` with length classes off (the decode path before them)."""
     def run():
-        saved, reference.CLASS_OVERHEAD = reference.CLASS_OVERHEAD, 10**12
+        saved, ragged.CLASS_OVERHEAD = ragged.CLASS_OVERHEAD, 10**12
         try:
             step()
         finally:
-            reference.CLASS_OVERHEAD = saved
+            ragged.CLASS_OVERHEAD = saved
     return run
 
 

@@ -10,7 +10,7 @@ import kvcompile
 from kvcompile.calibration import catekv as catekv_calibration
 from kvcompile.calibration import ripplekv as ripplekv_calibration
 from kvcompile.calibration import sgdkv as sgdkv_calibration
-from kvcompile.methods import Observation, base, catekv, certkv, page_entrokv, ripplekv, sgdkv
+from kvcompile.methods import Observation, base, catekv, certkv, page_entrokv, ripplekv, sgdkv, shares
 from kvcompile.observation import observe
 from kvcompile.methods.contourkv import ContourKV
 
@@ -65,7 +65,7 @@ def _constructed_scores(L=3, B=2, Hkv=4, S=50, seed=0):
 
 
 def _sorted_mass(scores):
-    mass, _ = base.attention_mass(scores)
+    mass, _ = shares.attention_mass(scores)
     a = mass.sort(-1, descending=True).values
     dropped = 1 - torch.cat([torch.zeros_like(a[..., :1]), a.cumsum(-1)], -1)  # D(b), b = 0..S
     return a, dropped

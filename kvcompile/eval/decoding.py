@@ -48,3 +48,17 @@ def answer(cm, tokenizer, logits: Tensor, max_new_tokens: int) -> list[int]:
     ``CompressedModel``, or anything with its ``decode`` and ``device`` (``analysis.masked``)."""
     ids = (tokenizer.eos_token_id, getattr(getattr(cm, "generation_config", None), "eos_token_id", None))
     return greedy(cm, logits, max_new_tokens, eos_ids={t for t in ids if isinstance(t, int)})
+
+
+@torch.no_grad()
+def streamed_log_likelihood(cm: CompressedModel, tokens: Tensor, chunk: int) -> float:
+    """Sum of log p(tokens[t+1] | tokens[:t+1]) over ``tokens`` [1, T], reading ``tokens[:, :-1]`` ``chunk`` tokens at
+    a time from an empty cache, compressing between chunks (streaming with eviction)."""
+    cm.reset()
+    total = 0.0
+    for start in range(0, tokens.shape[1] - 1, chunk):
+        ids = tokens[:, start : min(start + chunk, tokens.shape[1] - 1)]
+        logits = cm.prefill(ids, logits="all")[0].float()
+        target = tokens[0, start + 1 : start + 1 + ids.shape[1]].to(logits.device)
+        total += float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum())
+    return total

@@ -32,8 +32,8 @@ from tqdm import tqdm
 import kvcompile
 
 from ..model import CompressedModel
-from .decoding import greedy, ids_tensor, read_question
-from .uor import held_uor
+from .decoding import greedy, ids_tensor, read_question, streamed_log_likelihood
+from .uor import compress_measuring_uor
 from .ranks import DataParallel
 from .synthetic import SEPARATOR
 
@@ -152,24 +152,6 @@ class KVCompileLM(DataParallel, TemplateLM):
             "world_size": self.world_size,
         }}
 
-    def _compress_context(self, ids: list[int], segments=None) -> tuple[torch.Tensor, float | None]:
-        """Prefill and compress ``ids``: the last logits [1, 1, V] and the union-overhead ratio of the recipe's
-        scorer at the share of tokens it kept (``eval.uor``, as the sweep measures it). The UOR is None, and the
-        prefill compresses as it goes, where there is none to measure: no scorer or no per-query-head form, the
-        full budget, a recipe that compresses while it prefills (chunked), while it decodes, or with the question
-        (query-aware). Otherwise the context is prefilled uncompressed and then compressed (``compress``), the
-        sweep's path, from which the UOR is read on an uncompressed fork (not timed apart: the request's time
-        includes it). ``segments``: the task's rule for step-level recipes (``CompressedModel.prefill``)."""
-        cm, steps = self.cm, {"segments": segments, "tokenizer": self.tokenizer}
-        if cm.scorer is None or cm.budget.is_full or cm.prefill_chunk or cm.schedule is not None \
-                or cm.recipe.query_aware:
-            return cm.prefill(ids_tensor(ids, self.device), logits="last", **steps), None
-        logits = cm.prefill(ids_tensor(ids, self.device), compress=False, logits="last", **steps)
-        unions = cm.fork()
-        cm.compress()
-        share = cm.cache_stats()["tokens_held"] / (int(cm.seen.sum()) * cm.spec.num_layers * cm.spec.num_kv_heads)
-        return logits, held_uor(unions, share)[0]
-
     def _record(self, contexts: list[str], query_aware: bool, t0: float, stats: dict | None = None,
                 uor: float | None = None) -> None:
         """Account one compressed prefill, begun at ``t0``, for requests whose first argument is in ``contexts``;
@@ -235,7 +217,7 @@ class KVCompileLM(DataParallel, TemplateLM):
             t0, uor = time.perf_counter(), None
             self.cm.reset()
             if boundary > 0:
-                uor = self._compress_context(list(ctx[:boundary]))[1]
+                uor = compress_measuring_uor(self.cm, ids_tensor(list(ctx[:boundary]), self.device))[1]
             for n in members:
                 cont = entries[n][3]
                 model = self.cm.fork() if boundary > 0 and len(members) > 1 else self.cm
@@ -283,7 +265,8 @@ class KVCompileLM(DataParallel, TemplateLM):
             t0 = time.perf_counter()
             self.cm.reset()
             with torch.no_grad():
-                logits, uor = self._compress_context(ctx_ids, segments)
+                logits, uor = compress_measuring_uor(self.cm, ids_tensor(ctx_ids, self.device), segments=segments,
+                                                     tokenizer=self.tokenizer)
                 logits = logits[0, -1]
             compressed = self.cm.cache_stats()
             if q_ids:
@@ -307,20 +290,8 @@ class KVCompileLM(DataParallel, TemplateLM):
             for start in range(0, len(tokens) - 1, self.max_length):
                 window = tokens[start : start + self.max_length + 1]
                 t0 = time.perf_counter()
-                total += self._stream(window)
+                total += streamed_log_likelihood(self.cm, ids_tensor(window, self.device), self.rolling_chunk)
                 self._record([req.args[0]], False, t0)
             out.append(total)
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return out
-
-    @torch.no_grad()
-    def _stream(self, tokens: list[int]) -> float:
-        """Sum of log p(tokens[t+1] | tokens[:t+1]) reading ``tokens[:-1]`` chunk by chunk, compressing between."""
-        self.cm.reset()
-        total = 0.0
-        for start in range(0, len(tokens) - 1, self.rolling_chunk):
-            chunk = tokens[start : min(start + self.rolling_chunk, len(tokens) - 1)]
-            logits = self.cm.prefill(ids_tensor(chunk, self.device), logits="all")[0].float()
-            target = torch.tensor(tokens[start + 1 : start + 1 + len(chunk)], device=logits.device)
-            total += float(torch.log_softmax(logits, -1).gather(-1, target[:, None]).sum())
-        return total

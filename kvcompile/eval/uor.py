@@ -69,6 +69,23 @@ def held_uor(cm, fraction: float) -> tuple[float | None, list[float]]:
     return union / kept, per_layer
 
 
+def compress_measuring_uor(cm, input_ids: Tensor, **prefill) -> tuple[Tensor, float | None]:
+    """Prefill ``input_ids`` [1, T] into ``cm`` and compress: the last logits [1, 1, V] and the union-overhead ratio
+    of its scorer at the share of tokens it kept (``held_uor``, as the sweep measures it); ``prefill``: more
+    arguments of ``CompressedModel.prefill`` (a task's ``segments``). The UOR is None, and the prefill compresses as
+    it goes, where there is none to measure: no scorer, the full budget, a recipe that compresses while it prefills
+    (chunked), while it decodes, or with the question (query-aware). Otherwise the context is prefilled
+    uncompressed, then compressed (``compress``), the sweep's path, and the UOR read on an uncompressed fork."""
+    if cm.scorer is None or cm.budget.is_full or cm.prefill_chunk or cm.schedule is not None \
+            or cm.recipe.query_aware:
+        return cm.prefill(input_ids, logits="last", **prefill), None
+    logits = cm.prefill(input_ids, compress=False, logits="last", **prefill)
+    unions = cm.fork()
+    cm.compress()
+    share = cm.cache_stats()["tokens_held"] / (int(cm.seen.sum()) * cm.spec.num_layers * cm.spec.num_kv_heads)
+    return logits, held_uor(unions, share)[0]
+
+
 def uor_table(model, input_ids: Tensor, budget: float = 0.25, recipes: list | None = None) -> list[dict]:
     """One row per recipe: UOR of its scorer on ``model`` (a ``CompressedModel``) after prefilling ``input_ids``
     [B, T], at a keep fraction of ``budget`` per head (``held_uor``): the overall ratio, and the lowest and highest

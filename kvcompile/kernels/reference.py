@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 
+from . import ragged
 from .formats import codec_of
 
 
@@ -131,10 +131,10 @@ def paged_attention(
     B, Hq, T, D = q.shape
     weighted = log_weights is not None and log_weights.shape[0] > 0  # a shape, not values, picks the path
     weights = heads_view(log_weights, page_table, first_page) if weighted else None  # [B, Hkv, S]
-    if T == 1 and window == 0 and first_page is None and _concrete(lengths):
-        classes = length_classes(lengths, k_pages.shape[1])
+    if T == 1 and window == 0 and first_page is None and ragged.concrete(lengths):
+        classes = ragged.length_classes(lengths, k_pages.shape[1])
         if len(classes) > 1:  # ragged heads: each class reads only up to its own longest head
-            return decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale, classes, log_weights)
+            return ragged.decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale, classes, log_weights)
     if T == 1 and window == 0:  # decode of the newest token: every held key is at or before it
         keys, values = heads_view(k_pages, page_table, first_page), heads_view(v_pages, page_table, first_page)
         visible = torch.arange(keys.shape[2], device=q.device) < lengths.unsqueeze(-1)
@@ -175,59 +175,6 @@ def paged_attention(
         )
         out.append((o.nan_to_num(0.0) * visible.any(-1, keepdim=True)).to(q.dtype))
     return torch.cat(out, 2)
-
-
-CLASS_OVERHEAD = 32  # what one more length class costs (launches, indexing), in head-pages read
-
-
-def _concrete(t: Tensor) -> bool:
-    """Whether ``t``'s values can be read on the host: not while tracing (compile, export, a fake kernel run), where
-    the decode must keep shapes that depend on shapes only."""
-    return not torch.compiler.is_compiling() and not is_fake(t)
-
-
-def length_classes(lengths: Tensor, page_size: int) -> list[Tensor]:
-    """Heads ([B, Hkv] ``lengths``, flattened) grouped by page count into classes that minimise the pages a decode
-    step reads, each class padded to its longest head, plus ``CLASS_OVERHEAD`` per class: [indices of each class].
-    One class (equal heads, or too few to gain) means the plain path. Exact: a dynamic programme over the heads
-    sorted by pages, where every optimal class is a contiguous run (host-side; eager decode only)."""
-    pages = ((lengths.reshape(-1) + page_size - 1) // page_size).tolist()
-    order = sorted(range(len(pages)), key=pages.__getitem__)
-    p = [pages[i] for i in order]
-    best, cut = [0] + [None] * len(p), [0] * (len(p) + 1)  # best[j]: cost of the first j heads
-    for j in range(1, len(p) + 1):
-        best[j], cut[j] = min((best[i] + (j - i) * p[j - 1] + CLASS_OVERHEAD, i) for i in range(j))
-    runs, j = [], len(p)
-    while j > 0:
-        runs.append(order[cut[j] : j])
-        j = cut[j]
-    return [torch.tensor(r, device=lengths.device) for r in reversed(runs)]
-
-
-def decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale: float, classes: list[Tensor],
-                           log_weights: Tensor | None = None) -> Tensor:
-    """One decode query per row [B, Hq, 1, D] over ragged heads, class by class (``length_classes``): each class
-    gathers its heads' pages only up to its longest head, so a step reads about the pages held, not heads x the
-    longest. The same attention as the single-gather path (the ops and their order per head are the same)."""
-    B, Hq, _, D = q.shape
-    Hkv, P = page_table.shape[1], k_pages.shape[1]
-    G = Hq // Hkv
-    tables, n = page_table.reshape(B * Hkv, -1), lengths.reshape(-1).long()
-    qh, out = q.reshape(B * Hkv, G, D), q.new_zeros(B * Hkv, G, D)
-    weighted = log_weights is not None and log_weights.shape[0] > 0
-    for heads in classes:
-        width = int(-(-int(n[heads].max()) // P))
-        if width == 0:
-            continue
-        table = tables[heads, :width][None]  # [1, m, width]
-        keys, values = gather_pages(k_pages, table)[0].to(q.dtype), gather_pages(v_pages, table)[0].to(q.dtype)
-        scores = torch.matmul(qh[heads], keys.transpose(-1, -2)) * scale  # [m, G, S]
-        if weighted:
-            scores = scores.float() + gather_pages(log_weights, table)[0][:, None]
-        visible = torch.arange(width * P, device=q.device) < n[heads, None]
-        probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num(0.0)
-        out[heads] = torch.matmul(probs.to(values.dtype), values)
-    return out.view(B, Hq, 1, D)
 
 
 def merged_attention(q, q_pos, dense, stored: FormatPages, scale: float, window: int, block_bytes: int,

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Allocator, Observation, Scorer, attention_mass, register_allocator, register_scorer, water_fill
+from .base import Allocator, Observation, Scorer, register_allocator, register_scorer
+from .shares import attention_mass, water_fill
 
 
 @register_scorer("catekv")

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Allocator, Observation, attention_mass, register_allocator
+from .base import Allocator, Observation, register_allocator
+from .shares import attention_mass
 
 _FLOOR = 30.0  # a summary of a tail the reference query does not see: this much less logit than the max
 

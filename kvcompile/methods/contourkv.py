@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Allocator, attention_mass, descending_rank, register_allocator
+from .base import Allocator, descending_rank, register_allocator
+from .shares import attention_mass
 
 
 @register_allocator("contourkv")

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Allocator, Observation, attention_mass, per_head_share, register_allocator
+from .base import Allocator, Observation, per_head_share, register_allocator
+from .shares import attention_mass
 from .certkv import reference_query
 
 _TINY = 1e-12  # the floor of an attention mass under its log

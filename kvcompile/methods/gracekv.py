@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Allocator, Observation, attention_mass, register_allocator
+from .base import Allocator, Observation, register_allocator
+from .shares import attention_mass
 
 _EPS = 1e-8  # the distortion's epsilon, on attention partitions normalised to the query's full partition (<= 1)
 _DROPPED = 2.0  # distortion of a dropped node: no partition and no output (lambda_Z = lambda_M = 1)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocator, register_allocator, water_fill
+from .base import Allocator, register_allocator
+from .shares import water_fill
 
 RATIOS = 99  # the curve's rows: global compression ratios 1%, 2%, ..., 99%
 

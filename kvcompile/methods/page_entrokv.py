@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Allocator, Observation, Scorer, protect, register_allocator, register_scorer, water_fill
+from .base import Allocator, Observation, Scorer, protect, register_allocator, register_scorer
+from .shares import water_fill
 
 
 @register_scorer("page-entrokv")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Allocator, Observation, protect, register_allocator, water_fill
+from .base import Allocator, Observation, protect, register_allocator
+from .shares import water_fill
 
 RULED_OUT = torch.finfo(torch.float32).min  # what the compressor turns a scorer's -inf into: never eligible
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocator, per_head_share, register_allocator, water_fill
+from .base import Allocator, per_head_share, register_allocator
+from .shares import water_fill
 
 
 @register_allocator("uniform")

@@ -1,5 +1,5 @@
 """The built-in recipes, in the order ``kvcompile.recipes()`` lists them. Bump a recipe's ``version`` whenever its
-behaviour changes (``recipes.fingerprint`` checks it) and say what changed in the version notes below."""
+behaviour changes (``recipes.fingerprint`` checks it) and say what changed in ``docs/recipe_versions.md``."""
 
 from __future__ import annotations
 
@@ -10,29 +10,6 @@ _POST_ROPE_STATS = "query mean and covariance from the last 512 post-RoPE querie
 _CRITICAL = "the L1 norm of v for that of W_o v, as scorers see no weights; the two stages merged into one ranking"
 _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts every 16 steps, recent 32, 4 sinks"
 
-# Version 2 (behaviour changed after the recipe was added, before versions were fingerprinted):
-#   h2o, criticalkv: 2b142f9, ``merge_rankings`` returns the first criterion's values instead of negated ranks
-#     (where those values tie, the tie now goes to the earlier token, not the better merged rank); CriticalKV's
-#     two stages split only the tokens its base does not protect.
-#   adakv-snapkv, adakv-expected-attention, kvzip: 25dfcbb, pinned tokens beyond a budget go round-robin between
-#     heads (``pooled_rank``) instead of all to the first head.
-#   adakv-criticalkv: both.
-#   compactor: the 8 + 4 sinks take no part in the scores (key centring, chunks, attention and its queries,
-#     smoothing, z-score statistics), as kvpress slices them out; before, they widened every statistic.
-#   certkv (fingerprinted): the tail summary is one weighted entry (the tail's mean key and value, log-weight its
-#     log-mass under the reference query less the mean key's logit) instead of a synthetic key moved along that query.
-# Every recipe that evicts, one version up (the hybrid-model change): on a model with sliding-window layers
-#   (Gemma-3), prefill compression first evicts each sliding layer's tokens that no later query can see
-#   (``compress.out_of_window``: lossless, the attention mask hides them) and allocates the budget among what is
-#   still visible, so it goes to the global layers; the ``uniform`` allocator water-fills what capped heads leave
-#   (before, it gave every head budget / heads and left the rest unspent). Identical on models without sliding
-#   windows when no head is capped (the fingerprint model has none: fingerprints moved with ``uniform``'s code).
-#   The decode-time recipes (and the ``decoding`` wrappers) in the same step: their cap is rounded down to whole
-#   pages (``DecodeCompressor.ceiling``), so a head filled to the cap between runs no longer holds a partial page
-#   beyond the budget.
-# Version 3:
-#   kvzip: the reconstruction replays every token read since the last compression (with prefill_chunk, chunks that
-#     fit the budget are reconstructed with the next one), not only the chunk just read.
 _BUILTIN = [
     Recipe("full", None, source="no compression (reference)", provenance="control"),
     Recipe("random", "random", version=2, source="uniform random eviction (control)", provenance="control"),
