@@ -7,10 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import (
-    Allocator, Observation, Scorer, attention_mass, per_head_share, protect, register_allocator, register_scorer,
-    water_fill,
-)
+from .base import Allocator, Observation, Scorer, per_head_share, protect, register_allocator, register_scorer
+from .shares import attention_mass, water_fill
 
 
 @register_scorer("twinkv")
