@@ -52,7 +52,8 @@ def decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale: floa
         if width == 0:
             continue
         table = tables[heads, :width][None]  # [1, m, width]
-        keys, values = reference.gather_pages(k_pages, table)[0].to(q.dtype), reference.gather_pages(v_pages, table)[0].to(q.dtype)
+        keys = reference.gather_pages(k_pages, table)[0].to(q.dtype)
+        values = reference.gather_pages(v_pages, table)[0].to(q.dtype)
         scores = torch.matmul(qh[heads], keys.transpose(-1, -2)) * scale  # [m, G, S]
         if weighted:
             scores = scores.float() + reference.gather_pages(log_weights, table)[0][:, None]
