@@ -36,7 +36,7 @@ def page_block_mask(page_table: Tensor, lengths: Tensor, page_pos: Tensor, q_pos
     held = used[:, :, None].expand_as(rows).reshape(-1)
     owner[rows.reshape(-1)[held]] = torch.arange(heads, device=table.device).repeat_interleave(W * P)[held]
     index[rows.reshape(-1)[held]] = torch.arange(W * P, device=table.device).repeat(heads)[held]
-    positions = page_pos.reshape(-1).long()
+    positions = torch.nn.functional.pad(page_pos.reshape(-1).long(), (0, pool_rows - page_pos.numel()))
     query_at = q_pos.reshape(B).long().repeat_interleave(Hkv)  # [heads]
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -68,8 +68,12 @@ def flex_paged_decode(q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor
     head), as ``reference.paged_attention`` computes it. ``attend``: ``flex_attention`` or a compiled version."""
     B, Hq, _, D = q.shape
     N, P = page_pos.shape
-    mask = page_block_mask(page_table, lengths, page_pos, q_pos, Hq, N * P, window)
-    keys, values = k_pages.reshape(1, 1, N * P, D), v_pages.reshape(1, 1, N * P, D)
+    rows = -(-N * P // BLOCK) * BLOCK  # flex reads whole blocks: a pool that ends mid-block is padded (a copy)
+    mask = page_block_mask(page_table, lengths, page_pos, q_pos, Hq, rows, window)
+    keys, values = (x.reshape(N * P, D) for x in (k_pages, v_pages))
+    if rows > N * P:
+        keys, values = (torch.nn.functional.pad(x, (0, 0, 0, rows - N * P)) for x in (keys, values))
+    keys, values = keys.view(1, 1, rows, D), values.view(1, 1, rows, D)
     out = attend(q.reshape(1, B * Hq, 1, D), keys.to(q.dtype), values.to(q.dtype), block_mask=mask, scale=scale,
                  enable_gqa=True)
     empty = (lengths == 0).repeat_interleave(Hq // lengths.shape[1], 1)  # a head that holds nothing attends to zeros
