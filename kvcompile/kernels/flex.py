@@ -52,6 +52,8 @@ def page_block_mask(page_table: Tensor, lengths: Tensor, page_pos: Tensor, q_pos
     unique = torch.where(repeat, torch.iinfo(torch.long).max, blocks).sort(-1).values
     count = (unique < torch.iinfo(torch.long).max).sum(-1)
     unique = torch.where(unique < torch.iinfo(torch.long).max, unique, 0)
+    # a BlockMask's index rows span every kv block of the sequence (its dense form is that wide)
+    unique = torch.nn.functional.pad(unique, (0, pool_rows // BLOCK - unique.shape[1]))[:, : pool_rows // BLOCK]
     # every query head of a KV head reads its blocks: [1, B * Hq, 1 query block, ...]
     kv_num = count.repeat_interleave(G)[None, :, None].int()
     kv_idx = unique.repeat_interleave(G, 0)[None, :, None, :].int()
