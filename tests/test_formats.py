@@ -163,10 +163,11 @@ def test_tiles_merge_to_one_softmax(name):
     dense = reference.gather_dense(*pool)
     one = reference.merged_attention(q, q_pos, dense, stored, 0.4, 0, 1 << 26, tile_tokens=10**6)
     many = reference.merged_attention(q, q_pos, dense, stored, 0.4, 0, 1 << 26, tile_tokens=1)
-    torch.testing.assert_close(one, many, atol=1e-5, rtol=1e-5)
+    # tiles change the float32 summation order, and the outlier channels make the terms large (seed 375324674: 3.4e-5)
+    torch.testing.assert_close(one, many, atol=1e-4, rtol=1e-4)
     for tile in (1, P, 10**6):
         torch.testing.assert_close(reference.stored_decode(q, dense, stored, 0.4, tile_tokens=tile), one,
-                                   atol=1e-5, rtol=1e-5)
+                                   atol=1e-4, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------- through the public API
