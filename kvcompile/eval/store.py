@@ -81,7 +81,7 @@ class Store:
         self.db = sqlite3.connect(self.path, timeout=BUSY_S, isolation_level=None)  # transactions are explicit
         self.db.row_factory = sqlite3.Row
         try:
-            self.db.execute("PRAGMA journal_mode=WAL")  # readers never block the writer, nor it them
+            self._wal()
             self.db.execute("PRAGMA synchronous=NORMAL")  # in WAL: a crashed process loses no commit, a power cut
             # may lose the last ones, and neither corrupts the file
             self._migrate()
@@ -110,6 +110,20 @@ class Store:
             self.db.execute("ROLLBACK")
             raise
         self.db.execute("COMMIT")
+
+    def _wal(self) -> None:
+        """Switch the file to WAL (readers never block the writer, nor it them). Two processes that open a new
+        store at once race for that switch, and SQLite answers the loser "locked" without waiting out the busy
+        timeout: retry until BUSY_S has passed."""
+        deadline = time.monotonic() + BUSY_S
+        while True:
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def _migrate(self) -> None:
         with self._transaction():  # a second process opening a new store waits here, then finds it migrated
