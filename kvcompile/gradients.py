@@ -18,7 +18,7 @@ def attention_output_gradients(model: nn.Module, input_ids: Tensor, real: Tensor
     Phi = the sum of ||h_p^L||^2 over the ``probes`` [B, T] tokens. A transformers causal LM (``get_decoder().layers``,
     each with ``self_attn``)."""
     layers = model.get_decoder().layers
-    deltas, hooks = [], []
+    deltas: list[Tensor] = []
 
     def add_delta(module, args, out):  # a zero leaf added to the attention output: its gradient is the output's
         attn = out[0] if isinstance(out, tuple) else out

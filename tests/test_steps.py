@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_plain_at_full_budget, byte_llama, byte_tokenizer
+from conftest import assert_plain_at_full_budget, byte_tokenizer
 
 import kvcompile
 from kvcompile.eval.step_tasks import STEP_TASKS, needed_retention, step_spans
@@ -20,11 +20,6 @@ SIZE = 8  # tokens per segment in the equal-segment prompts
 @pytest.fixture(scope="module")
 def tok():
     return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def byte_cm():
-    return kvcompile.apply(byte_llama(), budget=1.0, recipe="full", page_size=4)
 
 
 def prompt(n: int = 64, seed: int = 0) -> torch.Tensor:
@@ -63,8 +58,8 @@ def small_window(name: str, **args) -> Recipe:
     ("paragraphs", "unknown segments rule"),
     ("blank-lines", "pass tokenizer="),
 ])
-def test_bad_segments_are_refused_with_a_clear_error_and_leave_the_model_untouched(byte_cm, segments, message):
-    cm = kvcompile.apply(byte_cm, budget=16, recipe="stepkv")
+def test_bad_segments_are_refused_with_a_clear_error_and_leave_the_model_untouched(byte_full, segments, message):
+    cm = kvcompile.apply(byte_full, budget=16, recipe="stepkv")
     tokenizer = byte_tokenizer() if segments == "paragraphs" else None
     with pytest.raises(ValueError, match=message):
         cm.prefill(prompt(), segments=segments, tokenizer=tokenizer)
@@ -78,21 +73,21 @@ def test_bad_segments_are_refused_with_a_clear_error_and_leave_the_model_untouch
     ("blank-lines", "one two\n\nthree\n \nfour", ["o", "t", "f"]),
     ("tool-calls", "System.\nAction: a(1)\nObservation: x\nAction: b(2)\nObservation: y", ["S", "A", "A"]),
 ])
-def test_a_rule_starts_a_segment_after_each_blank_line_or_at_each_tool_call(tok, byte_cm, rule, text, first_tokens):
+def test_a_rule_starts_a_segment_after_each_blank_line_or_at_each_tool_call(tok, byte_full, rule, text, first_tokens):
     """Bytes are tokens here: a segment must start at the character the rule names, and stepkv must see it (a
     budget of the last segment alone keeps exactly that segment: the current step)."""
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
     starts = kvcompile.segments.boundaries(rule, ids, torch.ones_like(ids, dtype=torch.bool), tok)[0].tolist()
     assert [text[s] for s in starts] == first_tokens
     last = len(text) - starts[-1]  # page_size 1: every head keeps exactly its count (no rounding to pages)
-    cm = kvcompile.apply(byte_cm, budget=last, recipe=small_window("stepkv"), page_size=1)
+    cm = kvcompile.apply(byte_full, budget=last, recipe=small_window("stepkv"), page_size=1)
     cm.prefill(ids, segments=rule, tokenizer=tok)
     assert all(h == set(range(starts[-1], len(text))) for h in held_sets(cm))
 
 
-def test_spans_leave_their_gaps_as_segments_and_generate_takes_segments(byte_cm):
+def test_spans_leave_their_gaps_as_segments_and_generate_takes_segments(byte_full):
     """Spans (4, 12), (20, 28) of a 32-token prompt make segments [0, 4), [4, 12), [12, 20), [20, 28), [28, 32)."""
-    cm = kvcompile.apply(byte_cm, budget=12, recipe=small_window("stepkv"), page_size=1)
+    cm = kvcompile.apply(byte_full, budget=12, recipe=small_window("stepkv"), page_size=1)
     out = cm.generate(prompt(32), max_new_tokens=3, segments=[(4, 12), (20, 28)])
     assert out.shape == (1, 35)
     kept = held_sets(cm)
@@ -105,9 +100,9 @@ def test_spans_leave_their_gaps_as_segments_and_generate_takes_segments(byte_cm)
 
 # ------------------------------------------------------------------------------------------ stepkv
 @pytest.mark.parametrize("name", STEP_RECIPES)
-def test_a_budget_of_whole_steps_keeps_no_partial_step(byte_cm, name):
+def test_a_budget_of_whole_steps_keeps_no_partial_step(byte_full, name):
     """§51's test: 8 equal steps, a budget of 3 of them per head keeps 3 whole steps in every head."""
-    cm = kvcompile.apply(byte_cm, budget=3 * SIZE, recipe=small_window(name), page_size=1)
+    cm = kvcompile.apply(byte_full, budget=3 * SIZE, recipe=small_window(name), page_size=1)
     cm.prefill(prompt(), segments=list(range(0, 64, SIZE)))
     for held in held_sets(cm):
         assert len(held) == 3 * SIZE and partial_segments(held) == []
@@ -116,8 +111,8 @@ def test_a_budget_of_whole_steps_keeps_no_partial_step(byte_cm, name):
 
 @pytest.mark.parametrize("name", STEP_RECIPES)
 @pytest.mark.parametrize("budget", [13, 21, 30])
-def test_any_budget_keeps_whole_steps_and_at_most_one_partial_one_per_head(byte_cm, name, budget):
-    cm = kvcompile.apply(byte_cm, budget=budget, recipe=small_window(name), page_size=1)
+def test_any_budget_keeps_whole_steps_and_at_most_one_partial_one_per_head(byte_full, name, budget):
+    cm = kvcompile.apply(byte_full, budget=budget, recipe=small_window(name), page_size=1)
     cm.prefill(prompt(seed=1), segments=list(range(0, 64, SIZE)))
     for held in held_sets(cm):
         assert len(held) == budget and len(partial_segments(held)) <= 1
@@ -125,8 +120,8 @@ def test_any_budget_keeps_whole_steps_and_at_most_one_partial_one_per_head(byte_
 
 @pytest.mark.parametrize("name", STEP_RECIPES)
 @pytest.mark.parametrize("budget", [0.25, 0.1, "8KiB"])
-def test_each_step_recipe_runs_by_name_within_its_budget_bytes(byte_cm, name, budget):
-    cm = kvcompile.apply(byte_cm, budget=budget, recipe=name, page_size=4)
+def test_each_step_recipe_runs_by_name_within_its_budget_bytes(byte_full, name, budget):
+    cm = kvcompile.apply(byte_full, budget=budget, recipe=name, page_size=4)
     cm.prefill(prompt(200), segments=list(range(0, 200, 10)))
     stats = cm.cache_stats()
     assert 0 < stats["bytes_held"] <= stats["budget_bytes"]
@@ -140,11 +135,11 @@ def test_full_budget_reproduces_the_model(llama, llama_cm, name):
     assert_plain_at_full_budget(llama, llama_cm, name)
 
 
-def test_without_segments_the_prompt_is_one_step(byte_cm):
+def test_without_segments_the_prompt_is_one_step(byte_full):
     """No segments: one step, ranked inside by token saliency, as when the caller gives one segment."""
     held = []
     for segments in (None, [0]):
-        cm = kvcompile.apply(byte_cm, budget=12, recipe=small_window("stepkv"), page_size=1)
+        cm = kvcompile.apply(byte_full, budget=12, recipe=small_window("stepkv"), page_size=1)
         cm.prefill(prompt(), segments=segments)
         held.append(held_sets(cm))
     assert held[0] == held[1] and all(len(h) == 12 for h in held[0])
@@ -199,13 +194,13 @@ def test_commitkv_retires_a_consumed_step_first_and_keeps_the_first_and_current_
     assert step_order(scorer.score(obs), segments) == [3, 0, 2, 1]
 
 
-def test_reco_with_a_constant_reward_is_stepkv(byte_cm):
+def test_reco_with_a_constant_reward_is_stepkv(byte_full):
     """§51's test, through the public API: the same held positions at every budget."""
     ids = prompt(seed=4)
     for budget in (10, 19, 33):
         held = []
         for recipe in (small_window("stepkv"), small_window("reco", reward="constant")):
-            cm = kvcompile.apply(byte_cm, budget=budget, recipe=recipe, page_size=1)
+            cm = kvcompile.apply(byte_full, budget=budget, recipe=recipe, page_size=1)
             cm.prefill(ids, segments=list(range(0, 64, SIZE)))
             held.append(held_sets(cm))
         assert held[0] == held[1]
@@ -250,37 +245,37 @@ def test_step_tasks_are_deterministic_fit_the_length_and_locate_their_steps(tok,
     assert a.needed and all(a.answers[0] in a.steps[i] for i in a.needed[:1])
 
 
-def test_needed_retention_counts_the_needed_steps_tokens_held(tok, byte_cm):
+def test_needed_retention_counts_the_needed_steps_tokens_held(tok, byte_full):
     sample = make_sample("steps_agent", tok, 800, seed=0)
     context, _ = sample.prompt(tok)
     ids = torch.tensor([tok(context, add_special_tokens=False)["input_ids"]])
     spans = step_spans(tok, context, sample.steps)
-    full = kvcompile.apply(byte_cm, budget=1.0, recipe="full")
+    full = kvcompile.apply(byte_full, budget=1.0, recipe="full")
     full.prefill(ids)
     assert needed_retention(full.held_positions(), spans, sample.needed) == 1.0
     last = len(ids[0]) - spans[-1][0]  # a budget of the last step and what follows it: nothing earlier
-    cm = kvcompile.apply(byte_cm, budget=last, recipe=small_window("stepkv"), page_size=1)
+    cm = kvcompile.apply(byte_full, budget=last, recipe=small_window("stepkv"), page_size=1)
     cm.prefill(ids, segments=[spans[-1][0]])
     expected = 1.0 if sample.needed == (len(spans) - 1,) else 0.0
     assert needed_retention(cm.held_positions(), spans, sample.needed) == expected
 
 
 # ------------------------------------------------------------------------------------------ sweep and lm-eval
-def test_a_sweep_segments_a_step_task_by_its_steps(tok, byte_cm, monkeypatch):
+def test_a_sweep_segments_a_step_task_by_its_steps(tok, byte_full, monkeypatch):
     """The sweep hands the sample's step spans to the shared prefill; the stepkv cell compresses over them."""
     from kvcompile.eval import sweep
 
     seen = []
-    prefill = type(byte_cm).prefill
-    monkeypatch.setattr(type(byte_cm), "prefill", lambda self, *a, **k: seen.append(k.get("segments")) or
+    prefill = type(byte_full).prefill
+    monkeypatch.setattr(type(byte_full), "prefill", lambda self, *a, **k: seen.append(k.get("segments")) or
                         prefill(self, *a, **k))
-    result = sweep.run(byte_cm, tok, ["stepkv"], [0.25], ["steps_agent"], n_samples=1, length=700, progress=False)
+    result = sweep.run(byte_full, tok, ["stepkv"], [0.25], ["steps_agent"], n_samples=1, length=700, progress=False)
     sample = make_sample("steps_agent", tok, 700)
     assert seen[0] == step_spans(tok, sample.prompt(tok)[0], sample.steps)
     assert all("error" not in r or r["error"] is None for r in result["samples"])
 
 
-def test_an_lm_eval_task_segments_the_context_by_its_rule(tok, byte_cm):
+def test_an_lm_eval_task_segments_the_context_by_its_rule(tok, byte_full):
     from lm_eval.api.instance import Instance
 
     from kvcompile.eval.harness import KVCompileLM
@@ -288,7 +283,7 @@ def test_an_lm_eval_task_segments_the_context_by_its_rule(tok, byte_cm):
 
     context = "\n\n".join(f"Action: get_user(U{i})\nObservation: user {i} is in room {100 + i}." for i in range(6))
     gen = {"until": [], "max_gen_toks": 4, "do_sample": False, "segments": "blank-lines"}
-    lm = KVCompileLM(byte_cm, tokenizer=tok, recipe="stepkv", budget=0.3)
+    lm = KVCompileLM(byte_full, tokenizer=tok, recipe="stepkv", budget=0.3)
     request = Instance(request_type="generate_until", doc={}, arguments=(context + SEPARATOR + "\nRoom of U2?", gen),
                        idx=0)
     lm.generate_until([request], disable_tqdm=True)

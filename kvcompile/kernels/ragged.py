@@ -24,6 +24,8 @@ def length_classes(lengths: Tensor, page_size: int) -> list[Tensor]:
     One class (equal heads, or too few to gain) means the plain path. Exact: a dynamic programme over the heads
     sorted by pages, where every optimal class is a contiguous run (host-side; eager decode only)."""
     pages = ((lengths.reshape(-1) + page_size - 1) // page_size).tolist()
+    if min(pages) == max(pages):  # equal heads (a uniform recipe): nothing to gain, no programme to run
+        return [torch.arange(len(pages), device=lengths.device)]
     order = sorted(range(len(pages)), key=pages.__getitem__)
     p = [pages[i] for i in order]
     best, cut = [0] + [None] * len(p), [0] * (len(p) + 1)  # best[j]: cost of the first j heads

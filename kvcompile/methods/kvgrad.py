@@ -27,8 +27,10 @@ class KVgrad(KVzip):
         return QueryWindow(self.window), Reconstruction(), LayerWeights("o_proj"), Gradients()
 
     def probe_attention(self, obs: Observation, queries: slice):
-        weighted = obs.window_attention(queries) * obs.query_gradients[:, None, queries, None]
-        return weighted * output_norms(obs)[:, :, None]
+        return obs.window_attention(queries) * obs.query_gradients[:, None, queries, None]
+
+    def key_weights(self, obs: Observation):
+        return output_norms(obs)  # the same for every probe: applied once, after the max over probes
 
     def score_per_query_head(self, obs: Observation):
         if obs.query_gradients is None:

@@ -59,11 +59,17 @@ class KVzip(Scorer):
         """[B, Hq, w, S] what the reconstruction queries of the window slice ``queries`` pay each held key."""
         return obs.window_attention(queries)
 
+    def key_weights(self, obs: Observation):
+        """[B, Hq, S] a per-key factor on the best probe's attention (None: none)."""
+        return None
+
     def score_per_query_head(self, obs: Observation):
         B, Hkv, S, _ = obs.keys.shape
         best = torch.zeros(B, obs.queries.shape[1], S, device=obs.keys.device)
         for queries in obs.query_blocks(self.block):
             best = torch.maximum(best, self.probe_attention(obs, queries).amax(2))
+        weights = self.key_weights(obs)
+        best = best if weights is None else best * weights
         G = best.shape[1] // Hkv
         first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
         appended = (obs.positions >= first[:, None, None]).repeat_interleave(G, 1)
