@@ -97,6 +97,28 @@ def assert_plain_at_full_budget(model, captured, recipe) -> None:
     assert (logits[mask.bool()] - ref[mask.bool()]).abs().max() <= 1e-4
 
 
+def run_analysis(model, argv: list[str]) -> int:
+    """``kvcompile analyze <argv>`` as the CLI parses it, run on ``model`` with the byte tokenizer (no model load)."""
+    import argparse
+
+    from kvcompile.eval.analysis import commands
+
+    parser = argparse.ArgumentParser()
+    commands.add_parsers(parser.add_subparsers(dest="analysis"))
+    args = parser.parse_args(argv)
+    args.argv = ["analyze", *argv]
+    return commands.run(args, lambda name: (model, byte_tokenizer()))
+
+
+def assert_decode_agrees(compiled, eager, a, b, steps: int) -> None:
+    """Greedy ``steps`` from the prefill logits ``a`` (compiled) and ``b`` (eager): every step's logits agree."""
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for step in range(steps):
+        token = b[:, -1].argmax(-1, keepdim=True)
+        a, b = compiled.decode(token), eager.decode(token)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"decode step {step}: {m}")
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama", layers=3)

@@ -4,16 +4,15 @@ the evidence positions are the answer's tokens; a run and the CLI on the tiny mo
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 
 import pytest
 import torch
-from conftest import byte_tokenizer
+from conftest import byte_tokenizer, run_analysis
 
 import kvcompile
-from kvcompile.eval.analysis import commands, diagnose, masked
+from kvcompile.eval.analysis import diagnose, masked
 
 DOC, QUESTION = 200, 12
 
@@ -95,13 +94,9 @@ def test_evidence_is_every_occurrence_of_the_answer_and_coverage_counts_it():
 
 def test_cli_runs_the_diagnosis_and_writes_table_json_and_plot(byte_full, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    parser = argparse.ArgumentParser()
-    commands.add_parsers(parser.add_subparsers(dest="analysis"))
     argv = ["diagnose", "--recipes", "streamingllm", "--budgets", "0.1", "--tasks", "passkey", "--n-samples", "1",
             "--length", "600", "--out", str(tmp_path / "diagnosis")]
-    args = parser.parse_args(argv)
-    args.argv = ["analyze", *argv]
-    assert commands.run(args, lambda name: (byte_full, byte_tokenizer())) == 0
+    assert run_analysis(byte_full, argv) == 0
     saved = json.loads((tmp_path / "diagnosis.json").read_text())
     (row,) = saved["samples"]
     assert row["outcome"] in diagnose.OUTCOMES and 0 <= row["coverage"] <= 1 and row["bytes_held"] > 0

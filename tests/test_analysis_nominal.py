@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import byte_tokenizer
+from conftest import byte_tokenizer, run_analysis
 
 import kvcompile
 from kvcompile.eval.analysis import masked, nominal
@@ -90,18 +90,11 @@ def test_sample_rows_report_three_layouts_with_their_bytes(byte_full):
 
 def test_cli_writes_the_table_and_the_samples(byte_full, tmp_path, capsys):
     """``kvcompile analyze nominal`` through its own parser, on the tiny model (the loader is the one thing swapped)."""
-    import argparse
     import json
 
-    from kvcompile.eval.analysis import commands
-
-    parser = argparse.ArgumentParser()
-    commands.add_parsers(parser.add_subparsers(dest="analysis"))
     argv = ["nominal", "--recipes", "snapkv", "--budgets", "0.25", "--tasks", "passkey", "--n-samples", "1",
             "--length", "600", "--out", str(tmp_path / "nominal")]
-    args = parser.parse_args(argv)
-    args.argv = ["analyze", *argv]
-    assert commands.run(args, lambda name: (byte_full, byte_tokenizer())) == 0
+    assert run_analysis(byte_full, argv) == 0
     saved = json.loads((tmp_path / "nominal.json").read_text())
     assert saved["command"].startswith("kvcompile analyze nominal") and len(saved["samples"]) == 4  # full + 3 layouts
     assert (tmp_path / "nominal.md").read_text() in capsys.readouterr().out
