@@ -61,18 +61,36 @@ def _attend(
     q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt, layer,
     scale, window, packed, decode,
 ):
-    reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer])
+    stored = reference.FormatPages(*fmt[:5], fmt[5][layer], fmt[6][layer])
+    padded = decode or bool((q_pos < 0).any())  # prefill is opaque, so it may read values; decode is traced
+    reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer], padded)
     _observe(obs_q, layer, q, ring_slots, decode)
     args = (q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window)
-    stored = reference.FormatPages(*fmt[:5], fmt[5][layer], fmt[6][layer])
-    if decode and _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not, and any format
+    if not decode:
+        if not padded and _first_chunk(q_pos, k, k_pages, lengths[layer], stored, page_lw, window):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        else:
+            out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
+        return out.contiguous()
+    if _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not, and any format
         from .kernels.triton_decode import paged_decode
 
         return paged_decode(*args, stored=stored, log_weights=page_lw)
     first_page = 1 + layer * page_table[layer].numel() if packed else None  # PagedKVCache.packed's layout
-    if decode and not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
+    if not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
         return format_attention(*args, *stored, -1 if first_page is None else first_page)
-    return reference.paged_attention(*args, first_page=first_page, stored=stored, log_weights=page_lw).contiguous()
+    return reference.paged_attention(*args, first_page=first_page, log_weights=page_lw).contiguous()
+
+
+def _first_chunk(q_pos, k, k_pages, lengths, stored, page_lw, window) -> bool:
+    """Whether every head holds exactly the new tokens, unpadded, at consecutive positions, in the model's dtype,
+    without weights or a window: then attention is plain causal over the new keys and values themselves, one SDPA
+    call as the uncompressed model makes, without reading back what was just written."""
+    T = q_pos.shape[1]
+    return (window == 0 and stored.empty and page_lw.shape[0] == 0 and k.dtype == k_pages.dtype
+            and bool((lengths == T).all())
+            and bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all()))
 
 
 @torch.library.custom_op("kvcompile::format_attention", mutates_args=())

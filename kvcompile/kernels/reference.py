@@ -259,16 +259,20 @@ def _fresh_causal(q_pos: Tensor, k_pos: Tensor, lengths: Tensor, T: int) -> bool
 
 
 def write_tokens(
-    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, k: Tensor, v: Tensor, pos: Tensor, slots: Tensor
+    k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, k: Tensor, v: Tensor, pos: Tensor, slots: Tensor,
+    padded: bool = True,
 ) -> None:
     """Write new tokens into the pool in place. k, v: [B, Hkv, T, D]; pos: [B, T] (-1: padding, written as zeros
-    to the scratch row its slot names, so a pad's values never reach anything); slots: [B, Hkv, T] flat rows."""
+    to the scratch row its slot names, so a pad's values never reach anything); slots: [B, Hkv, T] flat rows.
+    ``padded`` False: the caller knows no position is -1, so nothing is zeroed (a prefill without padding)."""
     D, P = k_pages.shape[-1], k_pages.shape[1]
     rows = slots.reshape(-1)
     at = (rows // P, rows % P)  # (page, row) indices into the pools themselves, not a view of them
-    pad = (pos < 0)[:, None, :, None]
-    k_pages.index_put_(at, k.masked_fill(pad, 0).reshape(-1, D).to(k_pages.dtype))
-    v_pages.index_put_(at, v.masked_fill(pad, 0).reshape(-1, D).to(v_pages.dtype))
+    if padded:
+        pad = (pos < 0)[:, None, :, None]
+        k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
+    k_pages.index_put_(at, k.reshape(-1, D).to(k_pages.dtype))
+    v_pages.index_put_(at, v.reshape(-1, D).to(v_pages.dtype))
     page_pos.index_put_(at, pos[:, None, :].expand(slots.shape).reshape(-1).to(page_pos.dtype))
 
 

@@ -1,0 +1,122 @@
+"""Prefill seconds against transformers, and where kvcompile's extra time goes, in one run.
+
+For each context and batch, transformers' own prefill (sdpa, a fresh ``DynamicCache``, ``logits_to_keep=1``) and
+kvcompile's (budget 1.0, ``prefill(..., logits="last")`` from an empty cache, uncompressed) run in turn for
+``--rounds`` rounds on the same token ids; each is reported as its median round, with the ratio HF / kv (above 1:
+kvcompile is faster). ``--profile`` then profiles one prefill of each at the first context and batch and lists the
+operators by self time next to each other, so what kvcompile adds (page writes, the observation ring, reading
+pages back) is a row of its own.
+
+    python bench/prefill.py --contexts 1024,2048,4096,8192 --batches 1,4 --rounds 3 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kvcompile
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def prefills(model, cm, ids):
+    """The two prefills being compared, each a no-argument call."""
+
+    def hf():
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
+
+    def kv():
+        cm.reset()
+        cm.prefill(ids, compress=False, logits="last")
+
+    return {"hf": hf, "kv": kv}
+
+
+def median_seconds(calls: dict, rounds: int) -> dict:
+    """Each call's median over ``rounds``, the calls interleaved round by round (after one untimed warm-up each)."""
+    times = {name: [] for name in calls}
+    with torch.no_grad():
+        for call in calls.values():
+            call()
+        for _ in range(rounds):
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                call()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def profile(calls: dict, rows: int = 12) -> dict:
+    """Self CPU seconds per operator for one run of each call: {call: {operator: seconds}}, largest first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    out = {}
+    with torch.no_grad():
+        for name, call in calls.items():
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                call()
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            out[name] = {e.key: e.self_cpu_time_total / 1e6 for e in ops[:rows]}
+    return out
+
+
+def table(rows) -> str:
+    lines = ["| context | batch | HF prefill s | kv prefill s | HF / kv |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['batch']} | {r['hf_s']:.2f} | {r['kv_s']:.2f} | "
+                     f"{r['hf_s'] / r['kv_s']:.2f} |")
+    return "\n".join(lines)
+
+
+def profile_table(ops: dict) -> str:
+    names = list(dict.fromkeys([*ops["hf"], *ops["kv"]]))
+    lines = ["| operator | HF self s | kv self s |", "|---|---|---|"]
+    for n in sorted(names, key=lambda n: -max(ops["hf"].get(n, 0), ops["kv"].get(n, 0))):
+        cell = lambda side: f"{ops[side][n]:.3f}" if n in ops[side] else "-"  # noqa: E731
+        lines.append(f"| {n} | {cell('hf')} | {cell('kv')} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096, 8192])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also profile one prefill of each at the first cell")
+    p.add_argument("--out", default=str(RESULTS / "prefill"))
+    args = p.parse_args()
+    model, _ = kvcompile.load_model(args.model)
+    cm = kvcompile.apply(model, budget=1.0, recipe="full")
+    rows = []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
+            seconds = median_seconds(prefills(model, cm, ids), args.rounds)
+            rows.append({"context": ctx, "batch": batch, "hf_s": seconds["hf"], "kv_s": seconds["kv"]})
+            print(json.dumps(rows[-1]), flush=True)
+    text = table(rows)
+    ops = None
+    if args.profile:
+        ids = torch.randint(100, 40000, (args.batches[0], args.contexts[0]), generator=torch.Generator().manual_seed(0))
+        ops = profile(prefills(model, cm, ids))
+        text += (f"\n\nOperators by self time, one prefill of {args.contexts[0]} tokens x batch {args.batches[0]}:\n\n"
+                 + profile_table(ops))
+    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "args": vars(args)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "profile": ops}, indent=1))
+    Path(args.out + ".md").write_text(f"torch threads: {meta['threads']}\n\n" + text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
