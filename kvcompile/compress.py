@@ -18,7 +18,9 @@ from torch import Tensor
 
 from .cache import PagedKVCache
 from .methods import Allocator, Scorer
+from .kernels.formats import PrunedCodec, get_format
 from .methods.base import is_pinned
+from .methods.think import ThinK
 from .methods.merging import ValueMerging
 from .observation import observe
 from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
@@ -183,8 +185,9 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     if scorer is None and not bool(fits.all()):
         raise ValueError(f"every token in {cache.page_format} pages does not fit {budget}; add a scorer that evicts, "
                          "or raise the budget")
+    channels = key_channels(cache, layers)
     if cache.page_format is not None and (scorer is None or bool(fits.all())):
-        cache.demote(precise_recent)
+        cache.demote(precise_recent, channels=channels)
         return
     scores, stats = score_all(cache, scorer, layers, allocator, gradients)
     aside = _padded(cache.newest(apart), scores.shape[-1])
@@ -204,10 +207,20 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
             plan = Plan.of_mask(plan.kept(window.shape[-1]) | window)
             formats = torch.where(window.gather(-1, plan.keep.clamp_max(window.shape[-1] - 1)), DTYPE_FORMAT,
                                   STORED_FORMAT)
-        plan = dataclasses.replace(plan, formats=formats)
+        plan = dataclasses.replace(plan, formats=formats, channels=channels)
     if recipe.merge:
         merge_evicted(cache, plan, layers, ValueMerging(**recipe.merge))
     cache.keep(plan)
+
+
+def key_channels(cache: PagedKVCache, layers) -> Tensor | None:
+    """[L, B, Hkv, W] the key channels ThinK keeps in each head, for a page format that drops some (None for any
+    other), from the queries the cache observed and the keys it holds now."""
+    codec = get_format(cache.page_format).key if cache.page_format is not None else None
+    if not isinstance(codec, PrunedCodec):
+        return None
+    think = ThinK(codec.ratio)
+    return torch.stack([think.channels(observe(cache, layer)) for layer in layers])
 
 
 def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging: ValueMerging) -> None:

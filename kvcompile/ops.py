@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .kernels import reference
+from .kernels.formats import PrunedCodec, codec_of
 
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
 
@@ -65,7 +66,8 @@ def _attend(
     _observe(obs_q, layer, q, ring_slots, decode)
     args = (q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window)
     stored = reference.FormatPages(*fmt[:5], fmt[5][layer], fmt[6][layer])
-    if decode and _on_gpu(q):  # the kernel reads each head's pages where they are, packed or not, and any format
+    if decode and _on_gpu(q) and _kernel_reads(stored, q.shape[-1]):
+        # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
 
         return paged_decode(*args, stored=stored, log_weights=page_lw)
@@ -73,6 +75,12 @@ def _attend(
     if decode and not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
         return format_attention(*args, *stored, -1 if first_page is None else first_page)
     return reference.paged_attention(*args, first_page=first_page, stored=stored, log_weights=page_lw).contiguous()
+
+
+def _kernel_reads(stored: reference.FormatPages, head_dim: int) -> bool:
+    """Whether the Triton decode reads this format pool: not ThinK's pruned keys (the reference reads those)."""
+    return stored.empty or not any(isinstance(codec_of(c, m, head_dim), PrunedCodec)
+                                   for c, m in ((stored.k, stored.k_meta), (stored.v, stored.v_meta)))
 
 
 @torch.library.custom_op("kvcompile::format_attention", mutates_args=())
