@@ -25,7 +25,7 @@ pages: ``bench/results/formats_speed.{json,md}``.
 ``--methods think,snapkv+think`` instead runs those recipes beside the plain references (snapkv, snapkv+int4,
 full+int4, full+int8: quantize-only where every token fits) at ``--budgets``: ``bench/results/formats_methods.*``.
 
-    python bench/formats.py --methods think,snapkv+think,minima-kv --budgets 0.8,0.25,0.125 --samples 8
+    python bench/formats.py --methods think,snapkv+think,minima-kv --references "" --budgets 0.8,0.4,0.25 --samples 3
 """
 
 from __future__ import annotations
@@ -72,13 +72,16 @@ def cells(head_dim: int) -> list[tuple[str, float]]:
 METHOD_REFERENCES = (EVICT, f"{EVICT}+int4", "full+int8", "full+int4")
 
 
-def method_cells(methods: list[str], budgets: list[float], head_dim: int) -> list[tuple[str, float]]:
-    """Each of ``methods`` and of ``METHOD_REFERENCES`` at every budget its tokens fit (a recipe that evicts
-    nothing stores every token: left out below its share, with a page of rounding's margin)."""
+def method_cells(methods: list[str], budgets: list[float], head_dim: int,
+                 references=METHOD_REFERENCES) -> list[tuple[str, float]]:
+    """Each of ``methods`` and of ``references`` at every budget its tokens fit (a recipe that evicts
+    nothing stores every token: left out below its share, anchor pages at fp32, with a page of rounding's
+    margin)."""
     out = []
-    for recipe in [*METHOD_REFERENCES, *methods]:
+    for recipe in [*references, *methods]:
         r = kvcompile.recipes()[recipe] if recipe in kvcompile.recipes() else in_format(*recipe.rsplit("+", 1))
         share = 0.0 if r.scorer else get_format(r.format).token_bytes(head_dim, 16) / (2 * head_dim * 4)
+        share += (1 - share) / r.precise_anchors if r.precise_anchors else 0.0  # anchor pages in fp32
         out += [(recipe, b) for b in budgets if share <= 0.95 * b]
     return out
 
@@ -264,6 +267,7 @@ def main() -> None:
     parser.add_argument("--recent", default=None, help="precise recent windows beside snapkv+int4, e.g. 16,64")
     parser.add_argument("--budgets", default="0.125,0.1", help="with --recent or --methods")
     parser.add_argument("--methods", default=None, help="recipes beside the references, e.g. think,snapkv+think")
+    parser.add_argument("--references", default=",".join(METHOD_REFERENCES), help="with --methods ('' for none)")
     args = parser.parse_args()
     if args.speed and args.kernel:
         result = kernel_speed(args.context, args.rounds)
@@ -283,7 +287,8 @@ def main() -> None:
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     budgets = [float(b) for b in args.budgets.split(",")] if args.recent or args.methods else list(BUDGETS)
     if args.methods:
-        grid = method_cells(args.methods.split(","), budgets, cm.spec.head_dim)
+        grid = method_cells(args.methods.split(","), budgets, cm.spec.head_dim,
+                            [r for r in args.references.split(",") if r])
     elif args.recent:
         grid = recent_cells([int(w) for w in args.recent.split(",")], budgets)
     else:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .kernels import reference
-from .kernels.formats import PrunedCodec, codec_of
+from .kernels.formats import PrunedCodec, TQ3Keys, TQ3Values, codec_of
 
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
 
@@ -78,8 +78,9 @@ def _attend(
 
 
 def _kernel_reads(stored: reference.FormatPages, head_dim: int) -> bool:
-    """Whether the Triton decode reads this format pool: not ThinK's pruned keys (the reference reads those)."""
-    return stored.empty or not any(isinstance(codec_of(c, m, head_dim), PrunedCodec)
+    """Whether the Triton decode reads this format pool: not ThinK's pruned keys nor TQ3's rotated codes (the
+    reference decodes those a tile at a time)."""
+    return stored.empty or not any(isinstance(codec_of(c, m, head_dim), (PrunedCodec, TQ3Keys, TQ3Values))
                                    for c, m in ((stored.k, stored.k_meta), (stored.v, stored.v_meta)))
 
 

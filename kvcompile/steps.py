@@ -139,5 +139,5 @@ class Steps:
             self.decoder.step(self.cache, input_ids.shape[1])
         elif self.recipe.precise_recent and self.cache.appended >= self.recipe.precise_recent:
             # the tokens that left the window go to the format: at most 2 x precise_recent stay in the model dtype
-            self.cache.demote(self.recipe.precise_recent, shrink=False)
+            self.cache.demote(self.recipe.precise_recent, shrink=False, anchors=self.recipe.precise_anchors)
         return logits

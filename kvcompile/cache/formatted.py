@@ -127,14 +127,24 @@ class FormatPool:
         pos = self.positions()
         return (pos >= 0) & (pos >= (self.seen - window)[None, :, None, None])
 
-    def demote(self, precise_recent: int, shrink: bool = True, channels: Tensor | None = None) -> None:
-        """Store every held entry in the page format except each row's ``precise_recent`` newest tokens, which stay
-        in the model's dtype; nothing is evicted. What a format recipe that evicts nothing does when it compresses,
+    def precise(self, window: int, anchors: int = 0) -> Tensor:
+        """[L, B, Hkv, S] True at the entries a format recipe keeps in the model's dtype: each row's ``window``
+        newest (``newest``) and, with ``anchors``, those of every ``anchors``-th page of positions (pages of
+        ``page_size`` positions from 0: Minima-KV's anchor pages)."""
+        if not anchors:
+            return self.newest(window)
+        pos = self.positions()
+        return self.newest(window) | ((pos >= 0) & ((pos // self.page_size) % anchors == 0))
+
+    def demote(self, precise_recent: int, shrink: bool = True, channels: Tensor | None = None,
+               anchors: int = 0) -> None:
+        """Store every held entry in the page format except each row's ``precise_recent`` newest tokens and its
+        anchor pages (``precise``), which stay in the model's dtype; nothing is evicted. What a format recipe that evicts nothing does when it compresses,
         and, while decoding, to the tokens that left its recent window (``Steps._advance``). ``channels``: the key
         channels each head keeps in a format that drops some (``Plan.channels``; None: those it keeps now)."""
         held = self.held().long()
         keep = torch.arange(max(int(held.max()), 1), device=self.device).expand(*held.shape, -1)
-        recent = self.newest(precise_recent)
+        recent = self.precise(precise_recent, anchors)
         formats = torch.full_like(keep, STORED_FORMAT).masked_fill(
             recent.gather(-1, keep.clamp_max(recent.shape[-1] - 1)), DTYPE_FORMAT)
         self.keep(Plan(keep, held, formats=formats, channels=channels), shrink=shrink)

@@ -15,6 +15,7 @@ Codecs (D = head dim, G = group size along D):
                  plane then a 1-bit plane (3D/8 bytes)
     kivi4/kivi2  KIVI: keys per channel over the P rows of a page (page-local metadata), values as int4/int2
     think        ThinK: keys keep D - floor(D rho) channels, listed per page (``pruned``); values fp32
+    tq3          Minima-KV: rows rotated (Hadamard), 3-bit codes, one grid per page (``tq3``)
 
 Quantization runs in PyTorch (the Triton interpreter's fp32 -> fp8 cast is wrong for a few percent of values) and
 float8 codes are only cast, never computed on (CPU float8 has no arithmetic).
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from .packing import fp8_values, pack, unpack
 from .pruned import PrunedCodec
+from .tq3 import TQ3Keys, TQ3Values
 
 SCALE_FLOOR = 2.0**-20  # smallest fp16 scale kept: a constant group decodes to its minimum
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -268,6 +270,7 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("kivi4", ChannelCodec(4), _INT[4]),  # KIVI: keys per channel over a page, values per token
     PageFormat("kivi2", ChannelCodec(2), _INT[2]),
     PageFormat("think", PrunedCodec(0.5), FloatCodec(torch.float32)),  # ThinK at rho = 0.5, values unchanged
+    PageFormat("tq3", TQ3Keys(), TQ3Values()),  # Minima-KV's packed 3-bit pages
 )}
 
 
@@ -279,11 +282,13 @@ def get_format(name: str) -> PageFormat:
 
 def codec_of(codes: Tensor, meta: Tensor, head_dim: int):
     """The codec that wrote ``codes`` [..., W] and ``meta`` [..., M], read from their dtypes and widths."""
-    return _codec(codes.dtype, codes.shape[-1], meta.shape[-1], head_dim)
+    return _codec(codes.dtype, codes.shape[-1], meta.shape[-1], head_dim, meta.dtype)
 
 
 @functools.cache
-def _codec(dtype: torch.dtype, width: int, meta_width: int, head_dim: int):
+def _codec(dtype: torch.dtype, width: int, meta_width: int, head_dim: int, meta_dtype: torch.dtype):
+    if meta_dtype == torch.float32 and dtype == torch.uint8:  # TQ3's page scales
+        return TQ3Keys() if meta_width == 1 else TQ3Values()
     if dtype in (torch.float16, torch.bfloat16, torch.float32):
         return PrunedCodec(head_dim=head_dim, dtype=dtype) if width < head_dim else FloatCodec(dtype)
     if dtype == torch.float8_e4m3fn:

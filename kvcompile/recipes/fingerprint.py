@@ -47,6 +47,7 @@ def behaviour(recipe: Recipe) -> dict:
               "allocator_args": recipe.allocator_args, "decode": recipe.decode}
     optional = {"prefill_chunk": recipe.prefill_chunk, "rerotate_keys": recipe.rerotate_keys,
                 "format": recipe.format and repr(get_format(recipe.format)), "precise_recent": recipe.precise_recent,
+                "precise_anchors": recipe.precise_anchors,
                 "merge": recipe.merge}
     return fields | {k: v for k, v in optional.items() if v}  # unset, they leave earlier fingerprints alone
 
