@@ -195,7 +195,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     dead = _padded(out_of_window(cache, layers, cache.seen if seen is None else seen), scores.shape[-1])
     lengths = cache.held().long() - dead.sum(-1)
     scores = scores.masked_fill(aside | dead, float("-inf"))
-    if precise_recent or anchors:  # the window is kept apart: the scored tokens compete for what it leaves of the budget
+    if precise_recent or anchors:  # kept apart: the scored tokens compete for what the window leaves of the budget
         window = _padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes

@@ -139,9 +139,10 @@ class FormatPool:
     def demote(self, precise_recent: int, shrink: bool = True, channels: Tensor | None = None,
                anchors: int = 0) -> None:
         """Store every held entry in the page format except each row's ``precise_recent`` newest tokens and its
-        anchor pages (``precise``), which stay in the model's dtype; nothing is evicted. What a format recipe that evicts nothing does when it compresses,
-        and, while decoding, to the tokens that left its recent window (``Steps._advance``). ``channels``: the key
-        channels each head keeps in a format that drops some (``Plan.channels``; None: those it keeps now)."""
+        anchor pages (``precise``), which stay in the model's dtype; nothing is evicted. What a format recipe that
+        evicts nothing does when it compresses, and, while decoding, to the tokens that left its recent window
+        (``Steps._advance``). ``channels``: the key channels each head keeps in a format that drops some
+        (``Plan.channels``; None: those it keeps now)."""
         held = self.held().long()
         keep = torch.arange(max(int(held.max()), 1), device=self.device).expand(*held.shape, -1)
         recent = self.precise(precise_recent, anchors)
