@@ -180,3 +180,20 @@ def test_think_refuses_a_budget_it_cannot_meet_without_eviction(llama_cm):
     with pytest.raises(ValueError, match="stores every token in think pages, 0.781 of the model dtype"):
         kvcompile.apply(llama_cm, budget=0.75, recipe="think", page_size=4)
     assert kvcompile.recipes()["think"].format == "think"
+
+
+def test_a_fork_of_a_shared_prefill_keeps_the_channels_think_alone_keeps(llama_cm):
+    """A sweep's cells fork one prefill that observed the widest window any cell reads: ThinK's choice there (from
+    the same 32 queries) is the one a model running ``think`` alone makes."""
+    ids, mask = _prompt()
+    shared = kvcompile.apply(llama_cm, budget=1.0, recipe="snapkv", page_size=4)  # observes the last 32 queries
+    shared.prefill(ids, mask, compress=False)
+    cell = shared.fork("think", 0.95)
+    cell.compress()
+    alone = kvcompile.apply(llama_cm, budget=0.95, recipe="think", page_size=4)
+    alone.prefill(ids, mask)
+    assert torch.equal(cell.cache.fmt_channels, alone.cache.fmt_channels)
+    assert not torch.equal(alone.cache.fmt_channels, torch.arange(8, dtype=torch.int16).expand_as(
+        alone.cache.fmt_channels)), "the queries chose the channels, not the default"
+    for x, y in zip(cell.cache.dense(1), alone.cache.dense(1)):
+        torch.testing.assert_close(x, y)
