@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cache import PagedKVCache
-from .methods import Allocator, Scorer
 from .kernels.formats import PrunedCodec, get_format
+from .methods import Allocator, Scorer
 from .methods.base import is_pinned
-from .methods.think import ThinK
 from .methods.merging import ValueMerging
+from .methods.think import ThinK
 from .observation import observe
 from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
