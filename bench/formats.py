@@ -21,6 +21,11 @@ pages: ``bench/results/formats_speed.{json,md}``.
 ``--budgets``: ``bench/results/formats_recent.{json,md}``.
 
     python bench/formats.py --recent 16,64 --budgets 0.125,0.1 --samples 10
+
+``--methods think,snapkv+think`` instead runs those recipes beside the plain references (snapkv, snapkv+int4,
+full+int4, full+int8: quantize-only where every token fits) at ``--budgets``: ``bench/results/formats_methods.*``.
+
+    python bench/formats.py --methods think,snapkv+think,minima-kv --references "" --budgets 0.8,0.4,0.25 --samples 3
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def family(recipe: str) -> str:
         return "reference"
     if recipe == EVICT:
         return "evict"
+    if recipe in ("think", "minima-kv"):
+        return "quantize"
     return "quantize" if recipe.startswith("full+") else "both"
 
 
@@ -59,6 +66,23 @@ def cells(head_dim: int) -> list[tuple[str, float]]:
     for f in QUANTIZE_ONLY:
         share = get_format(f).token_bytes(head_dim, 16) / (2 * head_dim * 4)
         out += [(f"full+{f}", b) for b in BUDGETS if share <= 0.95 * b]
+    return out
+
+
+METHOD_REFERENCES = (EVICT, f"{EVICT}+int4", "full+int8", "full+int4")
+
+
+def method_cells(methods: list[str], budgets: list[float], head_dim: int,
+                 references=METHOD_REFERENCES) -> list[tuple[str, float]]:
+    """Each of ``methods`` and of ``references`` at every budget its tokens fit (a recipe that evicts
+    nothing stores every token: left out below its share, anchor pages at fp32, with a page of rounding's
+    margin)."""
+    out = []
+    for recipe in [*references, *methods]:
+        r = kvcompile.recipes()[recipe] if recipe in kvcompile.recipes() else in_format(*recipe.rsplit("+", 1))
+        share = 0.0 if r.scorer else get_format(r.format).token_bytes(head_dim, 16) / (2 * head_dim * 4)
+        share += (1 - share) / r.precise_anchors if r.precise_anchors else 0.0  # anchor pages in fp32
+        out += [(recipe, b) for b in budgets if share <= 0.95 * b]
     return out
 
 
@@ -241,7 +265,9 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="with --speed: eager only")
     parser.add_argument("--kernel", action="store_true", help="with --speed: one layer's attention op, not the model")
     parser.add_argument("--recent", default=None, help="precise recent windows beside snapkv+int4, e.g. 16,64")
-    parser.add_argument("--budgets", default="0.125,0.1", help="with --recent")
+    parser.add_argument("--budgets", default="0.125,0.1", help="with --recent or --methods")
+    parser.add_argument("--methods", default=None, help="recipes beside the references, e.g. think,snapkv+think")
+    parser.add_argument("--references", default=",".join(METHOD_REFERENCES), help="with --methods ('' for none)")
     args = parser.parse_args()
     if args.speed and args.kernel:
         result = kernel_speed(args.context, args.rounds)
@@ -259,8 +285,14 @@ def main() -> None:
         return
     model, tokenizer = kvcompile.load_model(args.model)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
-    budgets = [float(b) for b in args.budgets.split(",")] if args.recent else list(BUDGETS)
-    grid = recent_cells([int(w) for w in args.recent.split(",")], budgets) if args.recent else cells(cm.spec.head_dim)
+    budgets = [float(b) for b in args.budgets.split(",")] if args.recent or args.methods else list(BUDGETS)
+    if args.methods:
+        grid = method_cells(args.methods.split(","), budgets, cm.spec.head_dim,
+                            [r for r in args.references.split(",") if r])
+    elif args.recent:
+        grid = recent_cells([int(w) for w in args.recent.split(",")], budgets)
+    else:
+        grid = cells(cm.spec.head_dim)
     recipes = list({r.name: r for r, _ in grid}.values()) if args.recent else sorted({r for r, _ in grid})
     # the sweep runs every recipe at every budget; a quantize-only cell whose tokens do not fit fails fast
     # (``apply`` refuses it) and is left out of the table
@@ -270,7 +302,8 @@ def main() -> None:
     wanted = {(name(r), str(Budget.parse(b))) for r, b in grid} | {("full", "1")}
     rows = [r for r in result["rows"] if (r["recipe"], r["budget"]) in wanted]
     config = {**result["config"], "model": args.model}
-    out = Path(args.out or RESULTS / ("formats_recent" if args.recent else "formats"))
+    default = "formats_recent" if args.recent else "formats_methods" if args.methods else "formats"
+    out = Path(args.out or RESULTS / default)
     out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows, "timing": result["timing"]},
                                                    indent=1))
     out.with_suffix(".md").write_text(markdown(rows, config))

@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .cache import PagedKVCache
+from .kernels.formats import PrunedCodec, get_format
 from .methods import Allocator, Scorer
 from .methods.base import is_pinned
 from .methods.merging import ValueMerging
+from .methods.think import ThinK
 from .observation import observe
 from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
@@ -170,28 +172,30 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     A sliding-window layer's entries that no later query can see (``out_of_window`` of ``seen`` [B], the next
     position; default ``cache.seen``) go first, losslessly: they are no candidates and take nothing of the budget,
     which the allocator then shares among what is still visible (on a hybrid model, mostly the global layers)."""
-    precise_recent = recipe.precise_recent
+    precise_recent, anchors = recipe.precise_recent, recipe.precise_anchors
     held = cache.held().long()
-    recent = cache.newest(precise_recent)
+    recent = cache.precise(precise_recent, anchors)
     n_recent = recent.sum(-1)
     recent_bytes = cache.pages_held(n_recent).sum(dim=(0, 2)) * cache.page_bytes
     fits = cache.pages_held(held - n_recent).sum(dim=(0, 2)) * cache.stored_page_bytes + recent_bytes <= budget_bytes
     budget = f"the budget ({int(budget_bytes.min())} bytes in a sequence)"
     if bool((recent_bytes > budget_bytes).any()):
-        raise ValueError(f"the newest {precise_recent} tokens in the model's dtype (precise_recent) alone exceed "
+        what = f" and every {anchors}th page (precise_anchors)" if anchors else ""
+        raise ValueError(f"the newest {precise_recent} tokens in the model's dtype (precise_recent){what} alone exceed "
                          f"{budget}; shorten the window or raise the budget")
     if scorer is None and not bool(fits.all()):
         raise ValueError(f"every token in {cache.page_format} pages does not fit {budget}; add a scorer that evicts, "
                          "or raise the budget")
+    channels = key_channels(cache, layers)
     if cache.page_format is not None and (scorer is None or bool(fits.all())):
-        cache.demote(precise_recent)
+        cache.demote(precise_recent, channels=channels, anchors=anchors)
         return
     scores, stats = score_all(cache, scorer, layers, allocator, gradients)
     aside = _padded(cache.newest(apart), scores.shape[-1])
     dead = _padded(out_of_window(cache, layers, cache.seen if seen is None else seen), scores.shape[-1])
     lengths = cache.held().long() - dead.sum(-1)
     scores = scores.masked_fill(aside | dead, float("-inf"))
-    if precise_recent:  # the window is kept apart: the scored tokens compete for what it leaves of the budget
+    if precise_recent or anchors:  # kept apart: the scored tokens compete for what the window leaves of the budget
         window = _padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes
@@ -200,14 +204,24 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
         plan = Plan.of_mask(plan.kept(scores.shape[-1]) & ~dead | aside, new=plan.new)
     if cache.page_format is not None:
         formats = torch.full_like(plan.keep, STORED_FORMAT)
-        if precise_recent:
+        if precise_recent or anchors:
             plan = Plan.of_mask(plan.kept(window.shape[-1]) | window)
             formats = torch.where(window.gather(-1, plan.keep.clamp_max(window.shape[-1] - 1)), DTYPE_FORMAT,
                                   STORED_FORMAT)
-        plan = dataclasses.replace(plan, formats=formats)
+        plan = dataclasses.replace(plan, formats=formats, channels=channels)
     if recipe.merge:
         merge_evicted(cache, plan, layers, ValueMerging(**recipe.merge))
     cache.keep(plan)
+
+
+def key_channels(cache: PagedKVCache, layers) -> Tensor | None:
+    """[L, B, Hkv, W] the key channels ThinK keeps in each head, for a page format that drops some (None for any
+    other), from the queries the cache observed and the keys it holds now."""
+    codec = get_format(cache.page_format).key if cache.page_format is not None else None
+    if not isinstance(codec, PrunedCodec):
+        return None
+    think = ThinK(codec.ratio)
+    return torch.stack([think.channels(observe(cache, layer)) for layer in layers])
 
 
 def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging: ValueMerging) -> None:

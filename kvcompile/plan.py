@@ -47,12 +47,14 @@ class Plan:
     (the rest is ignored); formats [L, B, Hkv, K]: the pool of each kept entry, ``DTYPE_FORMAT`` or
     ``STORED_FORMAT`` (None: each stays where it is; a formatted plan also stores ``new`` in the format); new:
     entries written after the kept ones (None: none). A head then holds ``counts + new.counts`` entries, kept ones
-    first, in their old order."""
+    first, in their old order. channels [L, B, Hkv, W]: for a page format that drops key channels (ThinK), the
+    ones each head keeps, ascending (None: those it keeps now)."""
 
     keep: Tensor
     counts: Tensor
     formats: Tensor | None = None
     new: NewEntries | None = None
+    channels: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:

@@ -11,6 +11,9 @@ import torch
 from torch import Tensor
 
 from . import observation
+from .kernels.formats import get_format
+from .kernels.pruned import PrunedCodec
+from .methods.think import ThinK
 from .schedule import DecodeCompressor
 
 RESERVE_AHEAD = 64  # tokens of room a plain decode reserves at a time (allocation stays off the step)
@@ -55,7 +58,9 @@ class Steps:
     def observation_window(self) -> int:
         """Queries per layer this model reads when it compresses (its scorer's sources) or decodes."""
         scorer = observation.window(self.scorer.sources()) if self.scorer else 0
-        return max(self.decode_window, scorer)
+        fmt = self.recipe.format  # ThinK's choice of key channels reads queries too
+        channels = ThinK.window if fmt and isinstance(get_format(fmt).key, PrunedCodec) else 0
+        return max(self.decode_window, scorer, channels)
 
     def _refuse_without_question(self, compressing: bool = True) -> None:
         """Raise, before anything changes, when a scorer that ranks by the question would compress without it."""
@@ -134,5 +139,5 @@ class Steps:
             self.decoder.step(self.cache, input_ids.shape[1])
         elif self.recipe.precise_recent and self.cache.appended >= self.recipe.precise_recent:
             # the tokens that left the window go to the format: at most 2 x precise_recent stay in the model dtype
-            self.cache.demote(self.recipe.precise_recent, shrink=False)
+            self.cache.demote(self.recipe.precise_recent, shrink=False, anchors=self.recipe.precise_anchors)
         return logits

@@ -126,7 +126,7 @@ def dtype_pool(lengths, P: int, D: int, g: torch.Generator, start: int):
     return (k_pages, v_pages, page_pos, table, lens), heads
 
 
-@pytest.mark.parametrize("name", ["int4", "int2", "fp8", "k8v4", "bf16", "kivi2"])
+@pytest.mark.parametrize("name", ["int4", "int2", "fp8", "k8v4", "bf16", "kivi2", "tq3"])
 @pytest.mark.parametrize("P", [1, 16])
 @pytest.mark.parametrize("T, window", [(1, 0), (1, 5), (4, 0), (4, 7)])
 def test_attention_over_format_and_dtype_pages_equals_dense_attention_over_both(name, P, T, window):
@@ -152,7 +152,7 @@ def test_attention_over_format_and_dtype_pages_equals_dense_attention_over_both(
                 torch.testing.assert_close(out[0, h * G + i, t], expect, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["int4", "kivi2"])
+@pytest.mark.parametrize("name", ["int4", "kivi2", "tq3"])
 def test_tiles_merge_to_one_softmax(name):
     """Many tiles of the format pool (tile_tokens below one page) answer what one tile answers, in the merged
     attention (partial softmax states) and in the two-pass decode (scores of every tile, one softmax)."""
@@ -192,7 +192,7 @@ def test_quantize_only_is_close_to_the_full_model_and_reports_its_bytes(llama_cm
     assert stats["bytes_allocated"] == tensors
     # the next token's logits, read over the format pages, stay near the full model's
     nxt = ref[:, -1:].argmax(-1)
-    tol = {"int2": 2.0, "int3": 1.0, "int4": 0.5}.get(name, 0.1)
+    tol = {"int2": 2.0, "int3": 1.0, "tq3": 1.0, "int4": 0.5}.get(name, 0.1)
     got, want = cm.decode(nxt), full.decode(nxt)
     assert (got - want).abs().max() < tol, f"{name}: {(got - want).abs().max()}"
 

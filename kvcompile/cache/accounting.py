@@ -75,6 +75,7 @@ class ByteAccounting:
             "token_ids": (self.token_ids, "tables"), "segment_starts": (self.segment_starts, "tables"),
             "ring.queries": (self.ring.queries, "ring"), "ring.positions": (self.ring.positions, "ring"),
             **{name: (getattr(self, name), kind) for name, kind in zip(FORMAT_TENSORS, FORMAT_KINDS)},
+            "fmt_channels": (self.fmt_channels, "tables"),
         }
 
     def breakdown(self, held: int | None = None) -> dict[str, int]:

@@ -9,6 +9,8 @@ Layout (one pool for all layers, as the model-dtype one)::
     fmt_pos                 : [N', P]     original positions
     fmt_table               : [L, B, Hkv, W'] logical format page i of head (l, b, h) -> page of this pool
     fmt_lengths             : [L, B, Hkv] entries head (l, b, h) holds in this pool
+    fmt_channels            : [L, B, Hkv, W] the key channels each head keeps, for a format that drops some
+                                          (ThinK's ``PrunedCodec``; W = 0 for any other): what its pages list
 
 A head's entries, in logical order, are its format entries then its model-dtype entries (``lengths``), so the plans
 of every method index one list (``dense``). The pool is written only by ``keep``: compression encodes the kept
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import reference
-from ..kernels.formats import encode_pool, get_format
+from ..kernels.formats import PrunedCodec, codec_of, encode_pool, get_format
 from ..plan import DTYPE_FORMAT, STORED_FORMAT, Plan
 
 MIN_PAGES = 2  # pages of a format pool at least: the scratch page and a spare
@@ -48,11 +50,14 @@ class FormatPool:
         self.fmt_pos = torch.zeros(N, P, dtype=torch.int32, device=dev)
         self.fmt_table = torch.zeros(L, batch_size, Hkv, 2, dtype=torch.int32, device=dev)
         self.fmt_lengths = torch.zeros(L, batch_size, Hkv, dtype=torch.int32, device=dev)
+        key = self._codec("key")
+        kept = key.kept(D) if isinstance(key, PrunedCodec) else 0
+        self.fmt_channels = torch.arange(kept, dtype=torch.int16, device=dev).expand(L, batch_size, Hkv, -1).clone()
 
     def _apply(self, fn, recurse=True):
         """``.to(dtype)`` casts the model-dtype pool; the format pool only follows the device (its dtypes are its
         format, which ``codec_of`` reads back)."""
-        saved = {name: getattr(self, name) for name in FORMAT_TENSORS}
+        saved = {name: getattr(self, name) for name in (*FORMAT_TENSORS, "fmt_channels")}
         super()._apply(fn, recurse)
         for name, tensor in saved.items():
             setattr(self, name, tensor.to(self.k_pages.device))
@@ -122,16 +127,28 @@ class FormatPool:
         pos = self.positions()
         return (pos >= 0) & (pos >= (self.seen - window)[None, :, None, None])
 
-    def demote(self, precise_recent: int, shrink: bool = True) -> None:
-        """Store every held entry in the page format except each row's ``precise_recent`` newest tokens, which stay
-        in the model's dtype; nothing is evicted. What a format recipe that evicts nothing does when it compresses,
-        and, while decoding, to the tokens that left its recent window (``Steps._advance``)."""
+    def precise(self, window: int, anchors: int = 0) -> Tensor:
+        """[L, B, Hkv, S] True at the entries a format recipe keeps in the model's dtype: each row's ``window``
+        newest (``newest``) and, with ``anchors``, those of every ``anchors``-th page of positions (pages of
+        ``page_size`` positions from 0: Minima-KV's anchor pages)."""
+        if not anchors:
+            return self.newest(window)
+        pos = self.positions()
+        return self.newest(window) | ((pos >= 0) & ((pos // self.page_size) % anchors == 0))
+
+    def demote(self, precise_recent: int, shrink: bool = True, channels: Tensor | None = None,
+               anchors: int = 0) -> None:
+        """Store every held entry in the page format except each row's ``precise_recent`` newest tokens and its
+        anchor pages (``precise``), which stay in the model's dtype; nothing is evicted. What a format recipe that
+        evicts nothing does when it compresses, and, while decoding, to the tokens that left its recent window
+        (``Steps._advance``). ``channels``: the key channels each head keeps in a format that drops some
+        (``Plan.channels``; None: those it keeps now)."""
         held = self.held().long()
         keep = torch.arange(max(int(held.max()), 1), device=self.device).expand(*held.shape, -1)
-        recent = self.newest(precise_recent)
+        recent = self.precise(precise_recent, anchors)
         formats = torch.full_like(keep, STORED_FORMAT).masked_fill(
             recent.gather(-1, keep.clamp_max(recent.shape[-1] - 1)), DTYPE_FORMAT)
-        self.keep(Plan(keep, held, formats=formats), shrink=shrink)
+        self.keep(Plan(keep, held, formats=formats, channels=channels), shrink=shrink)
 
     def _keep_formatted(self, plan: Plan) -> Plan:
         """Lay the format pool out anew with the entries ``plan`` keeps in the page format (stored ones moved as
@@ -146,6 +163,8 @@ class FormatPool:
             raise NotImplementedError("the plan moves stored entries back to the model dtype; formats only demote")
         if self.page_format is None and bool((live & to_format).any()):
             raise ValueError("this cache has no page format, but the plan stores entries in one")
+        if plan.channels is not None:  # every stored entry, moved ones too, keeps the channels chosen now
+            self.fmt_channels = plan.channels.to(torch.int16)
         mine, theirs = live & to_format, live & ~to_format
         heads = torch.arange(plan.counts.numel(), device=self.device).view(*plan.counts.shape, 1)
         heads, index = heads.expand_as(plan.keep), mine.long().cumsum(-1) - 1
@@ -182,7 +201,8 @@ class FormatPool:
         for codes, meta, codec in self._parts():
             if codec.page_local:
                 pages = meta[rows // self.page_size]  # [n, 1, M]: each row's page metadata
-                out += [codec.decode(codes.flatten(0, 1)[rows][:, None], pages, torch.float32)[:, 0], None]
+                decoder = codec_of(codes, meta, self.head_dim)
+                out += [decoder.decode(codes.flatten(0, 1)[rows][:, None], pages, torch.float32)[:, 0], None]
             else:
                 out += [codes.flatten(0, 1)[rows], meta.flatten(0, 1)[rows]]
         return (*out, self.fmt_pos.flatten()[rows])
@@ -220,5 +240,15 @@ class FormatPool:
                     target.flatten(0, 1)[rows] = value.to(target.dtype)
         for i, (rows_f32, (_, _, codec)) in enumerate(zip(dense, self._parts())):
             if rows_f32 is not None:
-                fresh[2 * i], fresh[2 * i + 1] = codec.encode_pages(rows_f32, valid.view(total, P))
+                extra = (self._page_channels(pages, total),) if isinstance(codec, PrunedCodec) else ()
+                fresh[2 * i], fresh[2 * i + 1] = codec.encode_pages(rows_f32, valid.view(total, P), *extra)
         self.fmt_k, self.fmt_k_meta, self.fmt_v, self.fmt_v_meta, self.fmt_pos = fresh
+
+    def _page_channels(self, pages: Tensor, total: int) -> Tensor:
+        """[total, W] the key channels each page of a new layout keeps: its head's (``fmt_channels``), the first W
+        for the scratch and spare pages."""
+        W = self.fmt_channels.shape[-1]
+        out = torch.arange(W, device=self.device).repeat(total, 1)
+        owner = torch.repeat_interleave(torch.arange(pages.numel(), device=self.device), pages.flatten())
+        out[1 : 1 + owner.numel()] = self.fmt_channels.flatten(0, 2)[owner].long()
+        return out

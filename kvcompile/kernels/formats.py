@@ -14,6 +14,8 @@ Codecs (D = head dim, G = group size along D):
                  along D: int4 split halves (byte j = channels j and j + D/2), int2 four planes, int3 a 2-bit
                  plane then a 1-bit plane (3D/8 bytes)
     kivi4/kivi2  KIVI: keys per channel over the P rows of a page (page-local metadata), values as int4/int2
+    think        ThinK: keys keep D - floor(D rho) channels, listed per page (``pruned``); values fp32
+    tq3          Minima-KV: rows rotated (Hadamard), 3-bit codes, one grid per page (``tq3``)
 
 Quantization runs in PyTorch (the Triton interpreter's fp32 -> fp8 cast is wrong for a few percent of values) and
 float8 codes are only cast, never computed on (CPU float8 has no arithmetic).
@@ -27,7 +29,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .packing import pack, unpack
+from .packing import fp8_values, pack, unpack
+from .pruned import PrunedCodec
+from .tq3 import TQ3Keys, TQ3Values
 
 SCALE_FLOOR = 2.0**-20  # smallest fp16 scale kept: a constant group decodes to its minimum
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -87,13 +91,13 @@ class Fp8Codec(RowCodec):
         return (x.float() / scale).to(torch.float8_e4m3fn), scale
 
     def decode(self, codes: Tensor, meta: Tensor, dtype: torch.dtype) -> Tensor:
-        return (_fp8_values(codes, torch.float32) * meta).to(dtype)
+        return (fp8_values(codes, torch.float32) * meta).to(dtype)
 
     def dot(self, q: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
-        return torch.matmul(q, _fp8_values(codes, q.dtype).transpose(-1, -2)) * meta.to(q.dtype).transpose(-1, -2)
+        return torch.matmul(q, fp8_values(codes, q.dtype).transpose(-1, -2)) * meta.to(q.dtype).transpose(-1, -2)
 
     def mix(self, p: Tensor, codes: Tensor, meta: Tensor) -> Tensor:
-        return torch.matmul(p * meta.to(p.dtype).transpose(-1, -2), _fp8_values(codes, p.dtype))
+        return torch.matmul(p * meta.to(p.dtype).transpose(-1, -2), fp8_values(codes, p.dtype))
 
     def row_bytes(self, head_dim: int) -> int:
         return head_dim + 4
@@ -103,17 +107,6 @@ class Fp8Codec(RowCodec):
         2^-9."""
         scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-30)
         return x.abs() * 2.0**-4 + scale * 2.0**-10
-
-
-def _fp8_values(codes: Tensor, dtype: torch.dtype) -> Tensor:
-    """float8 codes as ``dtype`` through the table of all 256 (the cast of every byte: bit-exact), because CPU float8
-    casts run one element at a time: the lookup takes half as long."""
-    return _fp8_table(codes.device, dtype).index_select(0, codes.view(torch.uint8).flatten().int()).view(codes.shape)
-
-
-@functools.cache
-def _fp8_table(device: torch.device, dtype: torch.dtype) -> Tensor:
-    return torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -276,6 +269,8 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("k8v4", _INT[8], _INT[4]),  # keys need more bits than values (research/formats.md, vLLM k8v4)
     PageFormat("kivi4", ChannelCodec(4), _INT[4]),  # KIVI: keys per channel over a page, values per token
     PageFormat("kivi2", ChannelCodec(2), _INT[2]),
+    PageFormat("think", PrunedCodec(0.5), FloatCodec(torch.float32)),  # ThinK at rho = 0.5, values unchanged
+    PageFormat("tq3", TQ3Keys(), TQ3Values()),  # Minima-KV's packed 3-bit pages
 )}
 
 
@@ -287,13 +282,15 @@ def get_format(name: str) -> PageFormat:
 
 def codec_of(codes: Tensor, meta: Tensor, head_dim: int):
     """The codec that wrote ``codes`` [..., W] and ``meta`` [..., M], read from their dtypes and widths."""
-    return _codec(codes.dtype, codes.shape[-1], meta.shape[-1], head_dim)
+    return _codec(codes.dtype, codes.shape[-1], meta.shape[-1], head_dim, meta.dtype)
 
 
 @functools.cache
-def _codec(dtype: torch.dtype, width: int, meta_width: int, head_dim: int):
+def _codec(dtype: torch.dtype, width: int, meta_width: int, head_dim: int, meta_dtype: torch.dtype):
+    if meta_dtype == torch.float32 and dtype == torch.uint8:  # TQ3's page scales
+        return TQ3Keys() if meta_width == 1 else TQ3Values()
     if dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return FloatCodec(dtype)
+        return PrunedCodec(head_dim=head_dim, dtype=dtype) if width < head_dim else FloatCodec(dtype)
     if dtype == torch.float8_e4m3fn:
         return Fp8Codec()
     bits, groups = 8 * width // head_dim, meta_width // 2

@@ -1,7 +1,10 @@
 """Integer codes packed into bytes along the channel axis, and back: the storage of ``formats.IntCodec`` and
-``formats.ChannelCodec``, read the same way by the Triton decode (``triton_decode._load_rows``)."""
+``formats.ChannelCodec``, read the same way by the Triton decode (``triton_decode._load_rows``); and float8 bytes
+read back as numbers (``formats.Fp8Codec``)."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -31,3 +34,14 @@ def unpack(codes: Tensor, bits: int) -> Tensor:
     planes = [codes >> shift if shift + bits == 8 else (codes >> shift if shift else codes) & (2**bits - 1)
               for shift in range(0, 8, bits)]  # one plane per op: five times faster than one broadcast shift
     return torch.cat(planes, -1)
+
+
+def fp8_values(codes: Tensor, dtype: torch.dtype) -> Tensor:
+    """float8 codes as ``dtype`` through the table of all 256 (the cast of every byte: bit-exact), because CPU float8
+    casts run one element at a time: the lookup takes half as long."""
+    return fp8_table(codes.device, dtype).index_select(0, codes.view(torch.uint8).flatten().int()).view(codes.shape)
+
+
+@functools.cache
+def fp8_table(device: torch.device, dtype: torch.dtype) -> Tensor:
+    return torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)

@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from .formats import ChannelCodec, Fp8Codec, IntCodec, codec_of
+from .formats import ChannelCodec, Fp8Codec, IntCodec, PrunedCodec, TQ3Keys, TQ3Values, codec_of
 
 BLOCK_N = 32  # tokens per K/V tile
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
@@ -238,6 +238,8 @@ def _layout(codes: Tensor, meta: Tensor | None, head_dim: int) -> tuple[int, int
     if meta is None:
         return 0, 0
     codec = codec_of(codes, meta, head_dim)
+    if isinstance(codec, (PrunedCodec, TQ3Keys, TQ3Values)):  # ops._attend sends these to the reference
+        raise NotImplementedError(f"the Triton decode does not read {type(codec).__name__} pages")
     if isinstance(codec, ChannelCodec):
         return codec.bits, -1
     if isinstance(codec, IntCodec):

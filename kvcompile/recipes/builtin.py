@@ -3,6 +3,7 @@ behaviour changes (``recipes.fingerprint`` checks it) and say what changed in ``
 
 from __future__ import annotations
 
+from .page_formats import FORMAT_RECIPES
 from .recipe import Recipe
 
 _SNAPKV_WINDOW = "window 32 and a max-pool of 7 instead of kvpress's 64 and average of 5"
@@ -290,5 +291,6 @@ _BUILTIN = [
                       "and while decoding, every 128 tokens, those that left that window move to the format, so "
                       "128 to 256 stay in the dtype (KIVI quantizes every full group of 32: 128 to 160)")
       for bits in (2, 4)),
+    *FORMAT_RECIPES,
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILTIN}

@@ -24,7 +24,8 @@ import textwrap
 import types
 from pathlib import Path
 
-from ..kernels.formats import FORMATS, get_format
+from ..kernels.formats import FORMATS, PrunedCodec, get_format
+from ..methods.think import ThinK
 from ..methods import ALLOCATORS, SCORERS
 from ..methods.decoding import POLICIES
 from ..methods.merging import ValueMerging
@@ -46,6 +47,7 @@ def behaviour(recipe: Recipe) -> dict:
               "allocator_args": recipe.allocator_args, "decode": recipe.decode}
     optional = {"prefill_chunk": recipe.prefill_chunk, "rerotate_keys": recipe.rerotate_keys,
                 "format": recipe.format and repr(get_format(recipe.format)), "precise_recent": recipe.precise_recent,
+                "precise_anchors": recipe.precise_anchors,
                 "merge": recipe.merge}
     return fields | {k: v for k, v in optional.items() if v}  # unset, they leave earlier fingerprints alone
 
@@ -60,6 +62,7 @@ def code_roots(recipe: Recipe) -> list[type]:
     roots += [ValueMerging] if recipe.merge else []
     page_format = get_format(recipe.format) if recipe.format else None
     roots += [type(page_format.key), type(page_format.value)] if page_format else []
+    roots += [ThinK] if page_format and isinstance(page_format.key, PrunedCodec) else []  # it picks the channels
     return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args, recipe.decode or {}]) if s in SCORERS]
 
 

@@ -39,6 +39,7 @@ class Recipe:
     format: str | None = None  # store what compression keeps in this page format (``kernels.formats``; None: dtype)
     precise_recent: int = 0  # with a format: the newest tokens stay in the model's dtype (KIVI's residual window;
     # while decoding, every precise_recent tokens, those older than the window move to the format: ``Steps``)
+    precise_anchors: int = 0  # with a format: every n-th page of positions stays in the model's dtype (Minima-KV)
     merge: dict | None = None  # ``methods.merging.ValueMerging`` fields: fold evicted values into kept ones (None: no)
 
     def __post_init__(self):
@@ -52,6 +53,9 @@ class Recipe:
             get_format(self.format)
         if self.merge is not None:
             self._check_merge()
+        if self.precise_anchors and self.format is None:
+            raise ValueError(f"recipe {self.name!r}: precise_anchors keeps anchor pages out of a page format; it "
+                             "needs a format")
         if self.precise_recent and self.format is None:
             raise ValueError(f"recipe {self.name!r}: precise_recent keeps recent tokens out of a page format; it "
                              "needs a format")
