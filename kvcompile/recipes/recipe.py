@@ -40,6 +40,7 @@ class Recipe:
     precise_recent: int = 0  # with a format: the newest tokens stay in the model's dtype (KIVI's residual window;
     # while decoding, every precise_recent tokens, those older than the window move to the format: ``Steps``)
     merge: dict | None = None  # ``methods.merging.ValueMerging`` fields: fold evicted values into kept ones (None: no)
+    trained_for: str = ""  # the model whose trained weights the scorer reads (``kvcompile train``): it runs on that one
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:
