@@ -110,7 +110,7 @@ def test_a_resumed_run_ends_where_an_unbroken_one_does(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), whole.state_dict().values()))
 
 
-@pytest.mark.parametrize("name", ["kvzap"])
+@pytest.mark.parametrize("name", ["kvzap", "dms"])
 @pytest.mark.parametrize("budget", [0.5, 0.2])
 def test_the_recipes_hold_their_budget(tiny, trained, name, budget):
     model, tok = tiny
