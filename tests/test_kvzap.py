@@ -19,7 +19,7 @@ from kvcompile.train.kvzap import kvzip_examples
 from kvcompile.train.loop import Schedule, fit
 
 SCHEDULE = Schedule(steps=60, batch=64, lr=5e-3, seed=3, checkpoint_every=20)
-DATA = dict(lengths=(512,), per_length=3, held_out=2, per_context=64, progress=False)
+DATA = dict(lengths=(256,), per_length=3, held_out=1, per_context=64, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_the_same_seed_reproduces_the_weights_bitwise(tiny, trained, tmp_path):
     again, first = load_file(str(tmp_path / "kvzap-tiny.safetensors")), load_file(str(path))
     assert all(torch.equal(again[k], first[k]) for k in first)
     other = Schedule(**{**SCHEDULE.__dict__, "seed": 4})
-    train("kvzap", *tiny, name="tiny", schedule=other, out=tmp_path / "other", **DATA)
+    train("kvzap", *tiny, name="tiny", schedule=other, out=tmp_path / "other", **{**DATA, "per_length": 1})
     assert not torch.equal(load_file(str(tmp_path / "other" / "kvzap-tiny.safetensors"))["w"], first["w"])
 
 
@@ -136,3 +136,19 @@ def test_weights_of_another_model_are_refused(llama_cm, trained):
 def test_budget_one_reproduces_the_model(tiny, trained):
     model, _ = tiny
     assert_plain_at_full_budget(model, model, _recipe(trained[0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["kvzap", "dms"])
+def test_the_shipped_recipes_run_by_name_on_smollm2(name):
+    from kvcompile.eval.fidelity import prose_windows
+
+    model, tok = kvcompile.load_model("smollm2-135m")
+    card = kvcompile.recipes()[name].build()[0]
+    card = getattr(card, "card", None) or card._base.card
+    assert card["model"] == "smollm2-135m"
+    assert card["held_out_spearman"]["trained"] > card["held_out_spearman"]["random_init"]
+    cm = kvcompile.apply(model, budget=0.25, recipe=name)
+    cm.prefill(torch.tensor([prose_windows(tok, 1, 600)[0]]))
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == kvcompile.recipes()[name].tag
