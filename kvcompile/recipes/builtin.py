@@ -3,16 +3,12 @@ behaviour changes (``recipes.fingerprint`` checks it) and say what changed in ``
 
 from __future__ import annotations
 
+from .learned import LEARNED
 from .recipe import Recipe
 
 _SNAPKV_WINDOW = "window 32 and a max-pool of 7 instead of kvpress's 64 and average of 5"
 _POST_ROPE_STATS = "query mean and covariance from the last 512 post-RoPE queries; kvpress: pre-RoPE ones, rotated"
 _CRITICAL = "the L1 norm of v for that of W_o v, as scorers see no weights; the two stages merged into one ranking"
-_KVZAP_SHA = "d36f887f4f2dbe09049e2d9b6e69df9a413d627f9fb1c3b559d870cfa120574a"
-_KVZAP = ("the surrogate reads each head's held value and key (its rotary-pair norms), not the hidden state (the "
-          "cache holds none); a linear model per (layer, KV head) fitted by AdamW (kvpress: ridge per layer) on "
-          "this library's KVzip scores (no instruction, one chunk; kvpress: KVzip+) of offline contexts; KVzip's "
-          "4 sinks kept")
 _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts every 16 steps, recent 32, 4 sinks"
 
 _BUILTIN = [
@@ -86,15 +82,7 @@ _BUILTIN = [
         inferred="KVzip's one reconstruction chunk with no instruction (kvpress: 512-token chunks after 'Repeat the "
                  "previous context' prompts); the backward pass through the source model, not the paged programs",
     ),
-    # learned (METHODS §32): weights trained here for SmolLM2-135M (``kvcompile train kvzap``), shipped, pinned
-    Recipe("kvzap", "kvzap", "global-topk", {"weights": "smollm2-135m", "sha256": _KVZAP_SHA},
-           trained_for="smollm2-135m",
-           source="https://arxiv.org/abs/2601.07891 (kvpress KVzapPress)", provenance="peer", inferred=_KVZAP),
-    Recipe("dms", "dms", "threshold",
-           {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128},
-           {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
-           provenance="peer", inferred=_KVZAP + "; prefill only (no decode-time FIFO); the budget caps what the "
-           "threshold keeps (kvpress: the threshold alone decides); tau -4 from kvpress's README, not tuned here"),
+    *LEARNED,  # kvzap, dms: weights trained here (recipes.learned)
     Recipe(
         "jacap", "jacap", version=2,
         scorer_args={"tau": 10.0, "window": 512, "n_sink": 4}, source="https://arxiv.org/abs/2609.08131",
