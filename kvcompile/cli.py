@@ -11,6 +11,7 @@ results store that a rerun resumes); ``--executor ray`` runs its contexts on Ray
 ``kvcompile analyze queryleak``: one method and budget with the question visible, restricted, or after compression.
 ``kvcompile analyze diagnose``: full-correct / compressed-wrong rows, evidence coverage, an evidence boost vs a sham.
 ``kvcompile analyze gap``: answer accuracy against the retention and restatement of its supporting chain.
+``kvcompile train kvzap``: train a learned scorer on offline data (``kvcompile.train``).
 """
 
 from __future__ import annotations
@@ -261,10 +262,13 @@ def main(argv=None) -> int:
     from kvcompile.eval.analysis.commands import add_parsers
 
     add_parsers(an.add_subparsers(dest="analysis", required=True))
+    from kvcompile.train.command import add_parser as add_train, run as train
+
+    add_train(sub)
     args = parser.parse_args(argv)
     args.argv = argv
     commands = {"demo": _demo, "eval": _eval, "fidelity": _fidelity, "recipes": _recipes, "report": _report,
-                "analyze": _analyze}
+                "analyze": _analyze, "train": train}
     return commands[args.command](args)
 
 

@@ -49,6 +49,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self.scorer, self.allocator = recipe.build()
         checks.recipe(recipe, self.allocator, budget, spec, page_size)
         self.allocator.check(spec.num_layers)
+        if hasattr(self.scorer, "check_model"):  # learned scorers: weights trained for this shape of model
+            self.scorer.check_model(spec.num_layers, spec.num_kv_heads, spec.head_dim)
         rerotation.check(spec, recipe, prefill_chunk)
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config

@@ -10,9 +10,10 @@ import kvcompile
 from kvcompile.kernels import reference
 
 # every prefill-time compressing recipe (decode-time ones: tests/test_decode_compression.py) that compresses a bare
-# prefill (FINCH reads the question apart: tests/test_presses_b.py)
+# prefill (FINCH reads the question apart: tests/test_presses_b.py; learned recipes run on the model they were
+# trained for: tests/test_kvzap.py)
 RECIPES = sorted(name for name, r in kvcompile.recipes().items()
-                 if r.scorer is not None and r.decode is None and not r.query_aware)
+                 if r.scorer is not None and r.decode is None and not r.query_aware and not r.trained_for)
 # controls that leave part of the budget unspent by definition
 UNDERSPENT = {"core-unmerged": "CORE's kept tokens without its memory entries: their slots stay empty"}
 

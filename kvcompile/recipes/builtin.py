@@ -3,6 +3,7 @@ behaviour changes (``recipes.fingerprint`` checks it) and say what changed in ``
 
 from __future__ import annotations
 
+from .learned import LEARNED
 from .page_formats import FORMAT_RECIPES
 from .recipe import Recipe
 
@@ -82,6 +83,7 @@ _BUILTIN = [
         inferred="KVzip's one reconstruction chunk with no instruction (kvpress: 512-token chunks after 'Repeat the "
                  "previous context' prompts); the backward pass through the source model, not the paged programs",
     ),
+    *LEARNED,  # kvzap, dms: weights trained here (recipes.learned)
     Recipe(
         "jacap", "jacap", version=2,
         scorer_args={"tau": 10.0, "window": 512, "n_sink": 4}, source="https://arxiv.org/abs/2609.08131",

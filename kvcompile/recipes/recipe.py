@@ -41,6 +41,7 @@ class Recipe:
     # while decoding, every precise_recent tokens, those older than the window move to the format: ``Steps``)
     precise_anchors: int = 0  # with a format: every n-th page of positions stays in the model's dtype (Minima-KV)
     merge: dict | None = None  # ``methods.merging.ValueMerging`` fields: fold evicted values into kept ones (None: no)
+    trained_for: str = ""  # the model whose trained weights the scorer reads (``kvcompile train``): it runs on that one
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:

@@ -1,0 +1,56 @@
+"""The DMS threshold wrapper (METHODS.md §32, kvpress ``DMSPress``): the newest ``window`` tokens are always kept;
+every older token is evicted iff its score is below ``tau``. A dense-prefill imitation of DMS (arXiv 2506.05345),
+not its trained evictor.
+
+kvcompile's choice: the budget caps what is kept. kvpress lets the threshold alone decide (the budget is an
+outcome); here a recipe must hold ``bytes_held <= budget_bytes``, so when the tokens at or above ``tau`` exceed the
+budget, the budget's best of them are kept (one competition over layers and heads, as ``global-topk``). Under the
+cap the kept set is exactly the window plus ``{score >= tau}``, ragged per head. Decisions are final: an evicted
+token is gone. Compression runs when the cache is over its budget (the engine's rule), so pick a budget above what
+the threshold keeps to let ``tau`` alone decide. Prefill only: the decode-time FIFO (each new token decided when it
+leaves the window) is not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from .base import Allocator, Observation, Wrapper, protect, register_allocator, register_scorer
+from .kvzip import GlobalTopK
+
+
+@register_scorer("dms")
+@dataclass
+class DMS(Wrapper):
+    """The base's scores with each row's newest ``window`` positions pinned (kept first)."""
+
+    base: str = "kvzap"
+    window: int = 128
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.window < 0:
+            raise ValueError(f"dms: window must be >= 0, got {self.window}")
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        check = getattr(self._base, "check_model", None)
+        if check is not None:
+            check(num_layers, num_kv_heads, head_dim)
+
+    def score(self, obs: Observation) -> Tensor:
+        scores = self._base.score(obs).float()
+        newest = obs.positions.masked_fill(~obs.valid, -1).amax((1, 2))  # [B]
+        return protect(scores, obs.valid & (obs.positions > newest[:, None, None] - self.window))
+
+
+@register_allocator("threshold")
+@dataclass
+class Threshold(Allocator):
+    """Keep every token scored at least ``tau`` (pinned ones always), capped by the budget (see the module)."""
+
+    tau: float = -4.0
+
+    def allocate(self, scores: Tensor, lengths: Tensor, budget: Tensor) -> Tensor:
+        return GlobalTopK().allocate(scores.masked_fill(scores < self.tau, float("-inf")), lengths, budget)

@@ -1,0 +1,24 @@
+"""The learned recipes (METHODS.md §32): their scorer reads weights trained here for SmolLM2-135M
+(``kvcompile train kvzap``), shipped in ``kvcompile/weights`` and pinned by SHA-256, so new weights need a new
+version."""
+
+from __future__ import annotations
+
+from .recipe import Recipe
+
+_KVZAP_SHA = "d36f887f4f2dbe09049e2d9b6e69df9a413d627f9fb1c3b559d870cfa120574a"
+_KVZAP = ("the surrogate reads each head's held value and key (its rotary-pair norms), not the hidden state (the "
+          "cache holds none); a linear model per (layer, KV head) fitted by AdamW (kvpress: ridge per layer) on "
+          "this library's KVzip scores (no instruction, one chunk; kvpress: KVzip+) of offline contexts; KVzip's "
+          "4 sinks kept")
+
+LEARNED = [
+    Recipe("kvzap", "kvzap", "global-topk", {"weights": "smollm2-135m", "sha256": _KVZAP_SHA},
+           trained_for="smollm2-135m",
+           source="https://arxiv.org/abs/2601.07891 (kvpress KVzapPress)", provenance="peer", inferred=_KVZAP),
+    Recipe("dms", "dms", "threshold",
+           {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128},
+           {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
+           provenance="peer", inferred=_KVZAP + "; prefill only (no decode-time FIFO); the budget caps what the "
+           "threshold keeps (kvpress: the threshold alone decides); tau -4 from kvpress's README, not tuned here"),
+]

@@ -1,0 +1,83 @@
+"""``kvcompile train``: learned scorers trained here, on data generated offline, with targets the library computes.
+
+``train("kvzap", model, tokenizer, name="smollm2-135m")`` collects KVzip targets (``train.kvzap``), fits the
+surrogate (``train.loop``), measures it against its own random initialisation on held-out contexts, and writes
+``kvzap-<name>.safetensors`` + its JSON card where the ``kvzap`` recipe finds them (``methods.learned``). The run
+folder keeps the collected data, the checkpoint a rerun resumes from, and the loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..methods import learned
+from .kvzap import contexts, kvzip_examples, mse, spearman, surrogate
+from .loop import Schedule, fit, plot_losses
+
+METHODS = ("kvzap",)
+
+
+def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Schedule(), hidden: int = 0,
+          lengths: tuple[int, ...] = (256, 512, 1024), per_length: int = 4, held_out: int = 4,
+          per_context: int = 256, out: str | Path | None = None, run_dir: str | Path | None = None,
+          progress: bool = True) -> dict:
+    """Train ``method`` (only ``"kvzap"`` so far) for ``model`` (a transformers causal LM or a ``CompressedModel``
+    of one) and return the weights' card. ``name`` keys the weights (``kvzap-<name>.safetensors`` in ``out``,
+    default ``methods.learned.trained_root()``); ``schedule`` fixes steps, batch, learning rate and the seed (data
+    draws and initialisation follow it too); ``hidden`` > 0 trains the MLP form; training uses ``per_length``
+    contexts of each of ``lengths`` tokens, ``per_context`` tokens of each, and ``held_out`` contexts of the
+    largest length from another seed measure it. Rerun with the same arguments to resume."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method to train {method!r}; trainable: {', '.join(METHODS)}")
+    import kvcompile
+
+    started = time.perf_counter()
+    out = Path(out) if out is not None else learned.trained_root()
+    run_dir = Path(run_dir) if run_dir is not None else out / "runs" / f"{method}-{name}-seed{schedule.seed}"
+    cm = model if isinstance(model, kvcompile.CompressedModel) else kvcompile.apply(model, budget=1.0, recipe="full")
+    data = _data(cm, tokenizer, run_dir, lengths, per_length, held_out, per_context, schedule.seed, progress)
+    x, y, hx, hy = (data[k] for k in ("x", "y", "held_x", "held_y"))
+    initial = surrogate(x, y, hidden, schedule.seed)
+    net = surrogate(x, y, hidden, schedule.seed)
+    losses = fit(net, mse(x, y), x.shape[2], schedule, run_dir, progress)
+    plot_losses(losses, run_dir / "loss.png", f"{method} on {name}")
+    with torch.no_grad():
+        scores = {"trained": spearman(net(hx), hy), "random_init": spearman(initial(hx), hy)}
+        held_mse = float((net(hx) - hy).square().mean())
+    card = {
+        "method": method, "model": name, "form": f"mlp{hidden}" if hidden else "linear",
+        "library_version": kvcompile.__version__, "schedule": asdict(schedule),
+        "data": {"tasks_and_prose": "train.kvzap.contexts", "lengths": list(lengths), "per_length": per_length,
+                 "per_context": per_context, "examples": x.shape[2], "held_out_contexts": held_out,
+                 "held_out_examples": hx.shape[2]},
+        "tokens_seen": schedule.steps * min(schedule.batch, x.shape[2]), "initial_loss": losses[0],
+        "final_loss": losses[-1],
+        "held_out_mse": held_mse, "held_out_spearman": scores,
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    return learned.save(out / f"{method}-{name}.safetensors", net.state_dict(), card)
+
+
+def _data(cm, tokenizer, run_dir: Path, lengths, per_length, held_out, per_context, seed, progress) -> dict:
+    """The training and held-out examples, collected once per run folder (collection dominates a run's time)."""
+    path, params = run_dir / "data.safetensors", [list(lengths), per_length, held_out, per_context, seed]
+    if path.is_file():
+        stored = json.loads(path.with_suffix(".json").read_text())
+        if stored != params:
+            raise ValueError(f"{run_dir} holds data collected with other parameters ({stored}, asked {params}): "
+                             "use another run folder")
+        return load_file(str(path))
+    x, y = kvzip_examples(cm, contexts(tokenizer, lengths, per_length, seed), per_context, seed, progress)
+    held = contexts(tokenizer, (max(lengths),), held_out, seed + 1000)
+    hx, hy = kvzip_examples(cm, held, per_context, seed + 1, progress)
+    data = {"x": x, "y": y, "held_x": hx, "held_y": hy}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in data.items()}, str(path))
+    path.with_suffix(".json").write_text(json.dumps(params))
+    return data
