@@ -268,8 +268,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         decoding is speculative (``speculative``): the draft proposes ``draft_tokens`` at a time, this model verifies
         them in one call and rolls both caches back; the output is distributed as this model's alone.
         ``segments`` (and ``tokenizer`` for a rule) split the prompt read first, ``context_ids`` when given, else
-        ``input_ids``, as ``prefill`` takes them. ``early_stop`` (``EarlyStop``, ReCo's, inferred) finishes a row
-        once its answer is settled; the tokens before are those generated without it (not with a ``draft``).
+        ``input_ids``, as ``prefill`` takes them. ``early_stop``: an ``EarlyStop`` (not with a ``draft``).
         """
         if eos_token_id is None and self.generation_config is not None:
             eos_token_id = self.generation_config.eos_token_id
@@ -291,9 +290,10 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
             if self.schedule is None:  # one reservation for the whole generation (a schedule reserves its own)
                 self.cache.reserve(max_new_tokens)
             eos, prompt = torch.tensor(eos, device=self.device), (input_ids, real, context_ids, context_real)
+            heads = None if early_stop is None else early_stop.heads(input_ids, real)  # the answer step's start
             new = self._speculate(draft, draft_tokens, logits, max_new_tokens, eos, sampling, prompt) \
                 if draft is not None else generate_tokens(self._decode, logits, max_new_tokens, eos, pad, sampling,
-                                                          early_stop)
+                                                          early_stop, heads)
         return torch.cat([input_ids.to(self.device), new], 1)
 
     def _fit_schedule(self, tokens: int) -> None:  # raises, before anything changes, when the cap cannot hold it

@@ -38,15 +38,24 @@ def test_a_row_settles_on_a_repeated_step_or_an_answer_step(tok, text, settled):
     assert EarlyStop(tok).settled(ids(tok, text)) is settled
 
 
+def test_the_step_the_prompt_leaves_open_starts_the_first_step(tok):
+    stop = EarlyStop(tok)
+    head = stop.open_step(ids(tok, "Question: what is the code?\nAnswer: the code is"))
+    assert head == "Answer: the code is"
+    assert stop.settled(ids(tok, " 5.\n"), head) and not stop.settled(ids(tok, " 5.\n"))
+
+
 def test_the_step_end_and_markers_are_options(tok):
     assert EarlyStop(tok, step_end=".").settled(ids(tok, "a b. a b."))
     assert not EarlyStop(tok, markers=("final:",)).settled(ids(tok, "the answer is 5\n"))
     assert EarlyStop(tok, markers=("final:",)).settled(ids(tok, "Final: 5\n"))
 
 
-def first_settled(stop: EarlyStop, tokens: list[int]) -> int | None:
-    """The index of the token after which ``stop`` ends a row that generates ``tokens`` (None: never)."""
-    return next((i for i in range(len(tokens)) if stop.settled(tokens[: i + 1])), None)
+def first_settled(stop: EarlyStop, tokens: list[int], prompt: torch.Tensor) -> int | None:
+    """The index of the token after which ``stop`` ends a row that generates ``tokens`` after ``prompt`` [T]
+    (None: never)."""
+    head = stop.open_step(prompt.tolist())
+    return next((i for i in range(len(tokens)) if stop.settled(tokens[: i + 1], head)), None)
 
 
 def firing_rule(tok, tokens: list[int]) -> EarlyStop:
@@ -65,7 +74,7 @@ def test_early_stop_ends_generation_at_the_settled_step_and_keeps_the_tokens_bef
     plain = cm.generate(prompts(), max_new_tokens=N)[0, 40:].tolist()
     assert len(plain) == N  # the random model never writes its eos here
     stop = firing_rule(tok, plain)
-    k = first_settled(stop, plain)
+    k = first_settled(stop, plain, prompts()[0])
     assert k is not None and k < N - 1
     out = cm.generate(prompts(), max_new_tokens=N, early_stop=stop)[0, 40:].tolist()
     assert out == plain[: k + 1]
@@ -77,7 +86,7 @@ def test_a_settled_row_is_padded_while_the_other_rows_go_on(tok, byte_full):
     cm = kvcompile.apply(byte_full, budget=0.5, recipe="reco")
     plain = cm.generate(prompts(2), max_new_tokens=N)[:, 40:].tolist()
     stop = firing_rule(tok, plain[0])
-    ends = [first_settled(stop, row) for row in plain]
+    ends = [first_settled(stop, row, p) for row, p in zip(plain, prompts(2))]
     out = cm.generate(prompts(2), max_new_tokens=N, early_stop=stop, pad_token_id=0)[:, 40:].tolist()
     width = N if None in ends else max(ends) + 1
     assert len(out[0]) == width
