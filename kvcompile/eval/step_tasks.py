@@ -8,10 +8,11 @@ distractor steps, drawn from a sub-RNG so the first ``n`` are the same for every
 
 * ``steps_chain``: numbered reasoning steps; one states a code, a later one says another thing uses the same code;
   the question asks for the second thing's code (needs both). Distractors: other codes and links, steps that move
-  on, and reflection steps ("Wait, let me re-check..."). SmolLM2-135M answers it on 1 sample in 10 with its full
-  cache at 1024 tokens (seed 0), too few for accuracy to rank compressions.
+  on, and reflection steps ("Wait, let me re-check..."). SmolLM2-135M's full cache answered 1 of 10 at 1024 tokens,
+  too few for accuracy to rank compressions.
 * ``steps_chain1``: the one-hop chain: the question asks for a stated code (the answer needs that one step) and a
-  tenth of the distractors state other codes (``steps_chain``: 35%); SmolLM2-135M's full cache answers 6 of 10.
+  tenth of the distractors state other codes (``steps_chain``: 35%); SmolLM2-135M's full cache answered most
+  samples (bench/results/steps.md).
 * ``steps_agent``: a tool-call trace (``Action: tool(args)`` then ``Observation: ...``) after a system prompt with
   the tool schemas; the question asks for what one observation returned (needs that step).
 """
