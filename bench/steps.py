@@ -64,7 +64,7 @@ def run_sample(base, tokenizer, grid, task: str, length: int, seed: int, index: 
             raise AssertionError(f"{recipe.name} at {budget}: {held} bytes held over the budget's {allowed}")
         rows.append({"task": task, "index": index, "recipe": recipe.name, "budget": str(budget),
                      "retention": retention, "score": sample.score(text), "bytes_held": held,
-                     "budget_bytes": allowed, "bytes_full": stats["bytes_full"], "answer": text,
+                     "budget_bytes": allowed, "bytes_full": stats["bytes_full"], "answer": text, "tokens": tokens,
                      "wall_s": time.perf_counter() - t0})
     return rows
 
@@ -125,7 +125,7 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tasks", default="steps_chain,steps_agent")
+    p.add_argument("--tasks", default="steps_chain1,steps_agent")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--budgets", default="0.25,0.1")
     p.add_argument("--samples", type=int, default=10)

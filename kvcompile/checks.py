@@ -10,6 +10,7 @@ from torch import Tensor
 
 from .kernels.formats import get_format
 from .compress import WEIGHTED_STRATEGIES
+from .early_stop import EarlyStop
 from .methods.sources import Reconstruction
 
 
@@ -92,6 +93,14 @@ def generation(max_new_tokens, do_sample, temperature, top_p, eos_token_id, pad_
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     return eos
+
+
+def early_stop(stop, draft) -> None:
+    """``generate``'s ``early_stop``: None or an ``EarlyStop``, and not with a speculative ``draft``."""
+    if stop is not None and not isinstance(stop, EarlyStop):
+        raise ValueError(f"early_stop must be a kvcompile.early_stop.EarlyStop (or None), got {type(stop).__name__}")
+    if stop is not None and draft is not None:
+        raise ValueError("early_stop is not supported with a speculative draft: generate with one or the other")
 
 
 def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:

@@ -32,16 +32,22 @@ def nucleus(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     return probs
 
 
-def generate_tokens(decode, logits: Tensor, max_new_tokens: int, eos: Tensor, pad: int, sampling: dict) -> Tensor:
+def generate_tokens(decode, logits: Tensor, max_new_tokens: int, eos: Tensor, pad: int, sampling: dict,
+                    stop=None, heads: list[str] | None = None) -> Tensor:
     """Up to ``max_new_tokens`` tokens [B, n] after the prefill's last ``logits`` [B, 1, V]; ``decode(token [B, 1])``
-    appends a token and returns its logits. Stops once every row has produced an ``eos`` id."""
+    appends a token and returns its logits. Stops once every row has produced an ``eos`` id, or ``stop`` (an
+    ``early_stop.EarlyStop``, read on the host at every step) has found its answer settled (``heads``: each row's
+    prompt's open step)."""
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    rows = [[] for _ in range(logits.shape[0])]  # the tokens of each row, on the host (with ``stop`` only)
     new = []
     for step in range(max_new_tokens):
         token = sample(logits[:, -1], **sampling).masked_fill(done, pad)
         new.append(token)
         done |= torch.isin(token, eos)
-        if step == max_new_tokens - 1 or ((step + 1) % CHECK_EVERY == 0 and bool(done.all())):
+        if stop is not None:
+            done |= settled(stop, rows, heads, token, done)
+        if step == max_new_tokens - 1 or ((stop is not None or (step + 1) % CHECK_EVERY == 0) and bool(done.all())):
             break
         logits = decode(token[:, None])
     out = torch.stack(new, 1)
@@ -50,3 +56,13 @@ def generate_tokens(decode, logits: Tensor, max_new_tokens: int, eos: Tensor, pa
         if bool(finished.any()):
             out = out[:, : int(finished.int().argmax()) + 1]
     return out
+
+
+def settled(stop, rows: list[list[int]], heads: list[str], token: Tensor, done: Tensor) -> Tensor:
+    """[B] whether each row still generating has just settled its answer (``stop.settled``); ``rows`` grows."""
+    out = []
+    for row, head, t, finished in zip(rows, heads, token.tolist(), done.tolist()):
+        if not finished:
+            row.append(t)
+        out.append(not finished and stop.settled(row, head))
+    return torch.tensor(out, device=token.device)

@@ -18,6 +18,7 @@ from . import checks, observation, rerotation, segments as segmenting
 from .budget import Budget
 from .cache import PagedKVCache
 from .compress import WEIGHTED_STRATEGIES, compress as compress_cache
+from .early_stop import EarlyStop
 from .forking import Forking
 from .generation import generate_tokens
 from .programs import Programs
@@ -257,6 +258,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         temperature: float = 1.0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None, generator: torch.Generator | None = None,
         draft: CompressedModel | None = None, draft_tokens: int = 4, segments=None, tokenizer=None,
+        early_stop: EarlyStop | None = None,
     ) -> Tensor:
         """Generate up to ``max_new_tokens`` after ``input_ids``; returns [B, T + new] (input then new tokens).
 
@@ -268,7 +270,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         decoding is speculative (``speculative``): the draft proposes ``draft_tokens`` at a time, this model verifies
         them in one call and rolls both caches back; the output is distributed as this model's alone.
         ``segments`` (and ``tokenizer`` for a rule) split the prompt read first, ``context_ids`` when given, else
-        ``input_ids``, as ``prefill`` takes them.
+        ``input_ids``, as ``prefill`` takes them. ``early_stop``: an ``EarlyStop`` (not with a ``draft``).
         """
         if eos_token_id is None and self.generation_config is not None:
             eos_token_id = self.generation_config.eos_token_id
@@ -280,6 +282,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         starts = None if segments is None else segmenting.boundaries(segments, first[0], first[1].cpu(), tokenizer)
         self._refuse_without_question(context_ids is None)
         self._check_draft(draft, draft_tokens, input_ids, attention_mask, context_ids, context_mask, max_new_tokens)
+        checks.early_stop(early_stop, draft)
         if self.schedule is not None and max_new_tokens > 1:
             self._fit_schedule(int(real.sum(1).min()) + (0 if context_ids is None else int(context_real.sum(1).min())))
         self.reset()
@@ -289,8 +292,10 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
             if self.schedule is None:  # one reservation for the whole generation (a schedule reserves its own)
                 self.cache.reserve(max_new_tokens)
             eos, prompt = torch.tensor(eos, device=self.device), (input_ids, real, context_ids, context_real)
-            new = generate_tokens(self._decode, logits, max_new_tokens, eos, pad, sampling) if draft is None else \
-                self._speculate(draft, draft_tokens, logits, max_new_tokens, eos, sampling, prompt)
+            heads = None if early_stop is None else early_stop.heads(input_ids, real)  # the answer step's start
+            new = self._speculate(draft, draft_tokens, logits, max_new_tokens, eos, sampling, prompt) \
+                if draft is not None else generate_tokens(self._decode, logits, max_new_tokens, eos, pad, sampling,
+                                                          early_stop, heads)
         return torch.cat([input_ids.to(self.device), new], 1)
 
     def _fit_schedule(self, tokens: int) -> None:  # raises, before anything changes, when the cap cannot hold it

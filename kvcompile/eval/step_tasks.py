@@ -8,13 +8,18 @@ distractor steps, drawn from a sub-RNG so the first ``n`` are the same for every
 
 * ``steps_chain``: numbered reasoning steps; one states a code, a later one says another thing uses the same code;
   the question asks for the second thing's code (needs both). Distractors: other codes and links, steps that move
-  on, and reflection steps ("Wait, let me re-check...").
+  on, and reflection steps ("Wait, let me re-check..."). SmolLM2-135M's full cache answered 1 of 10 at 1024 tokens,
+  too few for accuracy to rank compressions.
+* ``steps_chain1``: the one-hop chain: the question asks for a stated code (the answer needs that one step) and a
+  tenth of the distractors state other codes (``steps_chain``: 35%); SmolLM2-135M's full cache answered most
+  samples (bench/results/steps.md).
 * ``steps_agent``: a tool-call trace (``Action: tool(args)`` then ``Observation: ...``) after a system prompt with
   the tool schemas; the question asks for what one observation returned (needs that step).
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import string
 
@@ -49,29 +54,34 @@ def _place(rng: random.Random, units: list[str], needed: list[str]) -> tuple[lis
     return steps, tuple(marks)
 
 
-def _chain(rng: random.Random, n: int) -> Sample:
+def _chain(rng: random.Random, n: int, links: int = 1, decoys: float = 0.35) -> Sample:
+    """A code stated once, then ``links`` steps that pass it on ("the B uses the same code as the A"); the question
+    asks for the last thing's code, so the answer needs ``links + 1`` steps (``links=0``: the code itself). A share
+    ``decoys`` of the distractor steps state other things' codes; the rest link other things, move on or reflect."""
     objects = [f"{c} {t}" for c in COLORS for t in THINGS]
     rng.shuffle(objects)
-    source, target, value = objects[0], objects[1], _code(rng)
+    chain, value, h = objects[: links + 1], _code(rng), links + 1
     sub = random.Random(rng.getrandbits(32))
     units = []
     for i in range(n):
         kind = sub.random()
-        other = objects[2 + i % (len(objects) - 2)]
-        if kind < 0.35:
+        other = objects[h + i % (len(objects) - h)]
+        rest = (kind - decoys) / (1 - decoys)  # where a non-decoy falls among the other kinds
+        if kind < decoys:
             units.append(f"The code of the {other} is {_code(sub)}.")
-        elif kind < 0.55:
-            units.append(f"The {other} uses the same code as the {sub.choice(objects[2:])}.")
-        elif kind < 0.8:
+        elif rest < 0.2 / 0.65:
+            units.append(f"The {other} uses the same code as the {sub.choice(objects[h:])}.")
+        elif rest < 0.45 / 0.65:
             units.append(sub.choice(MOVE_ON))
         else:
             units.append(sub.choice(REFLECT))
-    needed = [f"The code of the {source} is {value}.", f"The {target} uses the same code as the {source}."]
+    needed = [f"The code of the {chain[0]} is {value}."]
+    needed += [f"The {b} uses the same code as the {a}." for a, b in zip(chain, chain[1:])]
     steps, marks = _place(rng, units, needed)
     steps = tuple(f"Step {i + 1}: {s}" for i, s in enumerate(steps))
     context = "Solve the puzzle step by step. Each step may depend on earlier steps.\n\n" + "\n\n".join(steps)
-    return Sample(context, f"\n\nQuestion: What is the code of the {target}?", (value,),
-                  f"Answer: The code of the {target} is", steps, marks)
+    return Sample(context, f"\n\nQuestion: What is the code of the {chain[-1]}?", (value,),
+                  f"Answer: The code of the {chain[-1]} is", steps, marks)
 
 
 TOOLS = "lookup_order(id), weather(city), get_user(name)"
@@ -108,6 +118,7 @@ def _agent(rng: random.Random, n: int) -> Sample:
 
 STEP_TASKS = {t.name: t for t in [
     Task("steps_chain", _chain, 12, segments="steps"),
+    Task("steps_chain1", functools.partial(_chain, links=0, decoys=0.1), 12, segments="steps"),
     Task("steps_agent", _agent, 12, segments="steps"),
 ]}
 

@@ -78,7 +78,8 @@ class ReCo(StepUnits):
     StepKV's ranking exactly.
     The reflection penalty (off by default) multiplies the reward of a step holding one of ``reflection`` (token-id
     sequences of "Wait", "let me check"...; ``recipes.steps.resolve`` spells them for a tokenizer) by
-    ``1 - penalty``. ReCo's early stop is a generation option, not part of its compression (not implemented)."""
+    ``1 - penalty``. ReCo's early stop is a generation option, not part of its compression
+    (``kvcompile.early_stop``: ``generate(early_stop=EarlyStop(tokenizer))``, off by default; inferred too)."""
 
     reward: str = "progress"
     horizon: int = 8192

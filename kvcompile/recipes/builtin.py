@@ -284,7 +284,8 @@ _BUILTIN = [
            source="METHODS.md §51 (ReCo; paper not found)", provenance="description",
            inferred="no process reward model: the step reward is the attention later steps' queries (of the last "
                     "512) pay the step, scaled by the best step, times StepKV's utility; reflection penalty off (an "
-                    "option), early stop not implemented"),
+                    "option); early stop a generation option (generate(early_stop=EarlyStop(tokenizer)), off): "
+                    "a row stops after a step that repeats an earlier one or holds an answer marker"),
     *(Recipe(f"kivi{bits}", None, format=f"kivi{bits}", precise_recent=128, version=2,
              source="https://arxiv.org/abs/2402.02750", provenance="abstract",
              inferred="KIVI's layout as research/formats.md reports it (its code was not read here): keys per "
