@@ -119,6 +119,17 @@ def assert_decode_agrees(compiled, eager, a, b, steps: int) -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m: f"decode step {step}: {m}")
 
 
+def assert_head_attends(out, q, q_pos, h: int, G: int, keys, values, pos, window: int, tol: float) -> None:
+    """Query heads ``h*G .. h*G+G-1`` of ``out`` [1, Hq, T, D] equal plain softmax attention (scale 0.3) over one KV
+    head's dense ``keys``/``values`` at positions ``pos``, causal by position and within ``window`` (0: none)."""
+    for t in range(q.shape[2]):
+        seen = (pos <= q_pos[0, t]) & ((q_pos[0, t] - pos < window) if window else True)
+        for i in range(G):
+            scores = (q[0, h * G + i, t] @ keys.T * 0.3).masked_fill(~seen, float("-inf"))
+            expect = torch.softmax(scores, -1).nan_to_num(0.0) @ values
+            torch.testing.assert_close(out[0, h * G + i, t], expect, atol=tol, rtol=tol)
+
+
 @pytest.fixture(scope="session")
 def llama():
     return tiny_model("llama", layers=3)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvcompile
-from conftest import left_padded_batch
+from conftest import assert_head_attends, left_padded_batch
 from kvcompile.kernels import reference
 from kvcompile.kernels.formats import FORMATS, ChannelCodec, codec_of, encode_pool
 from kvcompile.kernels.packing import pack, unpack
@@ -144,12 +144,7 @@ def test_attention_over_format_and_dtype_pages_equals_dense_attention_over_both(
     G = Hq // len(stored_lengths)
     for h in range(len(stored_lengths)):
         keys, values, pos = (torch.cat([a, b.to(a.dtype)]) for a, b in zip(stored_heads[h], dtype_heads[h]))
-        for t in range(T):
-            seen = (pos <= q_pos[0, t]) & ((q_pos[0, t] - pos < window) if window else True)
-            for i in range(G):
-                scores = (q[0, h * G + i, t] @ keys.T * 0.3).masked_fill(~seen, float("-inf"))
-                expect = torch.softmax(scores, -1).nan_to_num(0.0) @ values
-                torch.testing.assert_close(out[0, h * G + i, t], expect, atol=1e-4, rtol=1e-4)
+        assert_head_attends(out, q, q_pos, h, G, keys, values, pos, window, tol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["int4", "kivi2", "tq3"])

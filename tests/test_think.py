@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvcompile
-from conftest import left_padded_batch
+from conftest import assert_head_attends, left_padded_batch
 from kvcompile.kernels import reference
 from kvcompile.kernels.formats import FORMATS, FloatCodec, PageFormat, PrunedCodec, codec_of
 from kvcompile.methods.base import Observation
@@ -80,13 +80,7 @@ def test_attention_over_pruned_pages_equals_dense_attention_with_those_channels_
         mask[heads[h]] = True
         rows = torch.cat([k_rows[table[0, h, i]] for i in range(width)])[:n]
         keys, values = rows * mask, torch.cat([v_rows[table[0, h, i]] for i in range(width)])[:n]
-        kpos = torch.arange(n)
-        for t in range(T):
-            seen = (kpos <= q_pos[0, t]) & ((q_pos[0, t] - kpos < window) if window else True)
-            for i in range(G):
-                scores = (q[0, h * G + i, t] @ keys.T * 0.3).masked_fill(~seen, float("-inf"))
-                expect = torch.softmax(scores, -1).nan_to_num(0.0) @ values
-                torch.testing.assert_close(out[0, h * G + i, t], expect, atol=1e-5, rtol=1e-5)
+        assert_head_attends(out, q, q_pos, h, G, keys, values, torch.arange(n), window, tol=1e-5)
 
 
 def test_think_ranks_channels_by_query_and_key_energy():
