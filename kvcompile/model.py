@@ -18,7 +18,6 @@ from . import checks, observation, rerotation, segments as segmenting
 from .budget import Budget
 from .cache import PagedKVCache
 from .compress import WEIGHTED_STRATEGIES, compress as compress_cache
-from .early_stop import EarlyStop
 from .forking import Forking
 from .generation import generate_tokens
 from .programs import Programs
@@ -50,8 +49,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self.scorer, self.allocator = recipe.build()
         checks.recipe(recipe, self.allocator, budget, spec, page_size)
         self.allocator.check(spec.num_layers)
-        if hasattr(self.scorer, "check_model"):  # learned scorers: weights trained for this shape of model
-            self.scorer.check_model(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        checks.scorer_fits(self.scorer, spec)
         rerotation.check(spec, recipe, prefill_chunk)
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config
@@ -258,7 +256,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         temperature: float = 1.0, top_p: float = 1.0, eos_token_id: int | list[int] | None = None,
         pad_token_id: int | None = None, generator: torch.Generator | None = None,
         draft: CompressedModel | None = None, draft_tokens: int = 4, segments=None, tokenizer=None,
-        early_stop: EarlyStop | None = None,
+        early_stop=None,
     ) -> Tensor:
         """Generate up to ``max_new_tokens`` after ``input_ids``; returns [B, T + new] (input then new tokens).
 
@@ -270,7 +268,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         decoding is speculative (``speculative``): the draft proposes ``draft_tokens`` at a time, this model verifies
         them in one call and rolls both caches back; the output is distributed as this model's alone.
         ``segments`` (and ``tokenizer`` for a rule) split the prompt read first, ``context_ids`` when given, else
-        ``input_ids``, as ``prefill`` takes them. ``early_stop``: an ``EarlyStop`` (not with a ``draft``).
+        ``input_ids``, as ``prefill`` takes them. ``early_stop``: a ``kvcompile.early_stop.EarlyStop`` (not with a ``draft``).
         """
         if eos_token_id is None and self.generation_config is not None:
             eos_token_id = self.generation_config.eos_token_id
