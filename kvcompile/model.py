@@ -268,7 +268,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         decoding is speculative (``speculative``): the draft proposes ``draft_tokens`` at a time, this model verifies
         them in one call and rolls both caches back; the output is distributed as this model's alone.
         ``segments`` (and ``tokenizer`` for a rule) split the prompt read first, ``context_ids`` when given, else
-        ``input_ids``, as ``prefill`` takes them. ``early_stop``: a ``kvcompile.early_stop.EarlyStop`` (not with a ``draft``).
+        ``input_ids``, as ``prefill`` takes them. ``early_stop``: an ``EarlyStop`` (no ``draft``).
         """
         if eos_token_id is None and self.generation_config is not None:
             eos_token_id = self.generation_config.eos_token_id
