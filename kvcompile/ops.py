@@ -68,7 +68,8 @@ def _attend(
     _observe(obs_q, layer, q, ring_slots, decode)
     args = (q, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], scale, window)
     if not decode:
-        if not padded and _first_chunk(q_pos, k, k_pages, lengths[layer], stored, page_lw, window):
+        if _first_chunk(q_pos, lengths[layer], stored, window):  # attend over what was stored: the pool's dtype
+            k, v = (x.to(k_pages.dtype).to(q.dtype) for x in (k, v))
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         else:
@@ -85,13 +86,13 @@ def _attend(
     return reference.paged_attention(*args, first_page=first_page, log_weights=page_lw).contiguous()
 
 
-def _first_chunk(q_pos, k, k_pages, lengths, stored, page_lw, window) -> bool:
-    """Whether every head holds exactly the new tokens, unpadded, at consecutive positions, in the model's dtype,
-    without weights or a window: then attention is plain causal over the new keys and values themselves, one SDPA
-    call as the uncompressed model makes, without reading back what was just written."""
+def _first_chunk(q_pos, lengths, stored, window) -> bool:
+    """Whether every head holds exactly the new tokens, at consecutive positions (so no padding), with no format
+    pool or window: attention is then plain causal over the new keys and values, one SDPA call as the uncompressed
+    model makes, without reading back what was just written (a new entry's log-weight is 0, so weights change
+    nothing)."""
     T = q_pos.shape[1]
-    return (window == 0 and stored.empty and page_lw.shape[0] == 0 and k.dtype == k_pages.dtype
-            and bool((lengths == T).all())
+    return (window == 0 and stored.empty and bool((lengths == T).all())
             and bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all()))
 
 

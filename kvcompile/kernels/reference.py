@@ -152,10 +152,6 @@ def paged_attention(
             scores = scores.float() + weights[:, :, None]
         probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
         return torch.matmul(probs.to(values.dtype), values).view(B, Hq, 1, D)
-    if window == 0 and _fresh_causal(q_pos, k_pos, lengths, T):  # first prefill, no padding: plain causal
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, keys[:, :, :T], values[:, :, :T], is_causal=True, scale=scale, enable_gqa=G > 1
-        )
     step = max(1, block_bytes // max(1, B * Hq * S))  # queries per block: bounds the [B, Hq, Tb, S] mask
     out = []
     for t0 in range(0, T, step):
@@ -249,13 +245,6 @@ def _merge(o, lse, o_new, lse_new):
     total = torch.logaddexp(lse, lse_new)
     a, b = (torch.exp(x - total).nan_to_num(0.0)[..., None] for x in (lse, lse_new))
     return o * a + o_new * b, total
-
-
-def _fresh_causal(q_pos: Tensor, k_pos: Tensor, lengths: Tensor, T: int) -> bool:
-    """True when every head holds exactly the T new tokens, in query order: the visibility is plain causal."""
-    if k_pos.shape[2] < T or not bool((lengths == T).all()):
-        return False
-    return bool((k_pos[:, :, :T] == q_pos[:, None, :]).all())
 
 
 def write_tokens(
