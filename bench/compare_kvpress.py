@@ -15,7 +15,10 @@ environments, joined by JSON files:
 Step 2 imports nothing from kvcompile, so it runs where kvcompile cannot be installed. Steps 2 and 3 are
 independent until the merge: ``--presses`` runs a subset of ``PAIRS`` (by kvpress name; the cells land in the same
 raw file, replacing earlier ones of that press and budget), and ``python bench/compare_kvpress.py merge`` writes the
-table from the two raw files (step 3 also writes it when step 2's file exists). Set ``HF_HUB_OFFLINE=1`` for step 2
+table from the two raw files (step 3 also writes it when step 2's file exists). Both resume where a cut run
+stopped: step 2 skips every cell its raw file holds in full (``--redo`` runs them again), step 3 keeps each finished
+context's rows in ``kvcompile.sqlite`` (a ``kvcompile.eval.store.Store``) and builds its cells from every stored row.
+The grid of the docs (4 tasks x 10 samples x 3 budgets x 35 pairs) is about 7 CPU-hours a side at one thread. Set ``HF_HUB_OFFLINE=1`` for step 2
 where the hub cannot be reached, so a press that downloads (QFilter) fails at once instead of retrying.
 
 kvpress presses that need attention weights (ObservedAttention) run with eager attention during the context
@@ -104,7 +107,8 @@ def _prompts(args) -> None:
     from kvcompile.eval.synthetic import get_task, make_sample
 
     model, tok = kvcompile.load_model(args.model)
-    model.save_pretrained(args.dir / "model")
+    model.hf_quantizer = None  # a first load from GGUF keeps a quantizer that refuses save_pretrained; the
+    model.save_pretrained(args.dir / "model")  # weights it loaded are plain tensors of the model's dtype
     tok.save_pretrained(args.dir / "model")
     config = json.loads((args.dir / "model" / "config.json").read_text())
     config.pop("quantization_config", None)  # a null entry left by the GGUF load breaks older transformers
@@ -286,6 +290,11 @@ def _kvpress(args) -> None:
     full = full["runs"]
     cells = [("full", 1.0)] + [(name, b) for b in args.budgets for name, _ in _selected(args)]  # a budget at a time
     key = {"prompts": _prompt_key(data), "kvpress": _version("kvpress"), "transformers": _version("transformers")}
+    raw = args.dir / "kvpress_raw.json"
+    old = json.loads(raw.read_text()) if raw.exists() and not args.redo else {}
+    if all(old.get(k) == v for k, v in key.items()):  # a resumed run: the cells run to the end are kept
+        done = {(c["press"], c["budget"]) for c in old["cells"] if len(c["scores"]) == len(data["prompts"])}
+        cells = [c for c in cells if c not in done]
     for name, budget in cells:
         cell = {"press": name, "budget": budget, "scores": [], "kl": [], "top1": [], "held": [], "seconds": [],
                 "answers": []}
@@ -304,7 +313,7 @@ def _kvpress(args) -> None:
                 cell["answers"].append(text)
         except Exception as e:  # noqa: BLE001 - a press that fails is a result
             cell["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        _update(args.dir / "kvpress_raw.json", "cells", [cell], key)  # after every cell: a cut run keeps its cells
+        _update(raw, "cells", [cell], key)  # after every cell: a cut run keeps its cells
         print(name, budget, cell.get("error") or sum(cell["scores"]) / max(len(cell["scores"]), 1),
               f"{time.perf_counter() - t_start:.0f}s", flush=True)
 
@@ -371,6 +380,7 @@ def _separate(cm, tok, recipe, budgets, data) -> list[dict]:
 def _kvcompile(args) -> None:
     import kvcompile
     from kvcompile.eval import sweep
+    from kvcompile.eval.store import Store
 
     data = json.loads((args.dir / "prompts.json").read_text())
     model, tok = kvcompile.load_model(data["model"])
@@ -384,20 +394,32 @@ def _kvcompile(args) -> None:
         except (KeyError, ValueError):
             missing.append(name)
     t0 = time.perf_counter()
-    res = sweep.run(cm, tok, recipes, args.budgets, data["tasks"].split(","), n_samples=data["n_samples"],
-                    length=data["length"], seed=data["seed"], kl=True)
-    contexts = max(res["timing"]["contexts"], 1)
-    prefill = res["timing"]["shared_prefill_s"] / contexts
+    with Store(args.dir / "kvcompile.sqlite") as store:  # a cut run keeps every context it finished
+        res = sweep.run(cm, tok, recipes, args.budgets, data["tasks"].split(","), n_samples=data["n_samples"],
+                        length=data["length"], seed=data["seed"], kl=True, store=store, model=data["model"])
+        rows = store.rows()
+    contexts = res["timing"]["contexts"]
+    prefill = res["timing"]["shared_prefill_s"] / contexts if contexts else None  # None: every context was stored
+    versions = {r.name: r.version for r in recipes} | {"full": kvcompile.recipes()["full"].version}
     ours = {}
-    for r in res["rows"]:  # aggregate over tasks, weighted by samples
+    for r in rows:  # this run's cells, from every stored sample of the prompts (this run's or an earlier one's)
+        if (versions.get(r["recipe"]) != r["version"] or float(r["budget"]) not in args.budgets + [1.0]
+                or r["task"] not in data["tasks"].split(",") or r["sample"] >= data["n_samples"]
+                or (r["length"], r["seed"]) != (data["length"], data["seed"])):
+            continue
         o = ours.setdefault((r["recipe"], float(r["budget"])), {
             "press": r["recipe"], "budget": float(r["budget"]), "n": 0, "score": 0.0, "held": 0.0, "kl": 0.0,
-            "top1": 0.0, "wall": 0.0, "error": r["error"], "prefill_s": prefill})
-        if r["n"]:
-            o["n"] += r["n"]
-            for key, col in (("score", "score"), ("held", "bytes_held_mean"), ("kl", "kl_mean"), ("top1", "top1")):
-                o[key] += r[col] * r["n"]
-            o["wall"] += r["wall_s"]
+            "top1": 0.0, "wall": 0.0, "kl_tokens": 0, "error": None, "prefill_s": prefill})
+        if r["error"]:
+            o["error"] = r["error"]
+            continue
+        o["n"] += 1
+        o["score"], o["held"], o["wall"] = o["score"] + r["score"], o["held"] + r["bytes_held"], o["wall"] + r["wall_s"]
+        o["kl"] += r["kl_mean"] * r["kl_tokens"]  # token-weighted, as kvpress's side pools every token
+        o["top1"] += r["top1"] * r["kl_tokens"]
+        o["kl_tokens"] += r["kl_tokens"]
+    for o in ours.values():  # per prompt, as the merge reads them
+        o["kl"], o["top1"] = (o[k] / max(o["kl_tokens"], 1) * o["n"] for k in ("kl", "top1"))
     cells = list(ours.values())
     for name in chunked:
         cells += _separate(cm, tok, name, args.budgets, data)
@@ -430,7 +452,7 @@ def _merge(args) -> None:
                            kvpress_bytes_held=_mean(kp["held"]), kvpress_s_per_prompt=_mean(kp["seconds"]),
                            kvpress_error=kp.get("error"), kvpress_scores=kp["scores"], kvpress_answers=kp.get("answers"))
             if o and o["n"]:
-                prefill = 0.0 if o.get("prefill_included") else o["prefill_s"]
+                prefill = 0.0 if o.get("prefill_included") else o["prefill_s"] or 0.0
                 row.update(kvcompile_score=o["score"] / o["n"], kvcompile_kl=o["kl"] / o["n"],
                            kvcompile_top1=o["top1"] / o["n"], kvcompile_bytes_held=o["held"] / o["n"],
                            kvcompile_s_per_prompt=o["wall"] / o["n"] + prefill, kvcompile_error=o["error"])
@@ -475,6 +497,8 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budgets", default="0.5,0.25,0.1")
+    parser.add_argument("--redo", action="store_true", help="kvpress step: run again the cells already in its raw "
+                        "file (by default a run resumes: it skips every cell that ran to the end)")
     parser.add_argument("--presses", default="", help="comma-separated kvpress names from PAIRS (default: all)")
     parser.add_argument("--out", default="bench/results/kvpress")
     parser.add_argument("--under-load", action="store_true", help="say in the table that its seconds are not a speed "
