@@ -280,6 +280,43 @@ def test_a_recent_window_beside_a_scorer_costs_the_model_dtype_and_the_scored_re
         kvcompile.apply(llama_cm, budget=0.2, recipe=summary, page_size=4)
 
 
+
+@pytest.mark.parametrize("name", ["kivi2", "minima-kv"])
+def test_a_window_the_budget_cannot_hold_is_refused_before_anything_is_written(llama_cm, name):
+    """A prefill (or generate) whose precise window and anchor pages alone would exceed the budget is refused before
+    it writes: an empty cache stays empty, a held turn stays as it was, and the model is not left torn. At every
+    budget the refusal agrees with the one ``compress()`` gives over the same tokens read uncompressed."""
+    ids, mask = _prompt()
+    recipe = dataclasses.replace(kvcompile.recipes()[name], name=f"{name}-w16", precise_recent=16)
+    outcomes = set()
+    for budget in (0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.8):
+        cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)
+        try:
+            cm.prefill(ids, mask)
+            fits = True
+        except ValueError as error:
+            assert "alone exceed" in str(error) or "pages does not fit the budget" in str(error)
+            assert cm.seen is None  # nothing read, nothing allocated
+            fits = False
+        other = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)
+        other.prefill(ids, mask, compress=False)
+        before = other.held_positions().clone()
+        try:
+            other.compress()
+            assert fits, f"budget {budget}: prefill refused what compress() holds"
+        except ValueError:
+            assert not fits, f"budget {budget}: prefill held what compress() refuses"
+            assert torch.equal(other.held_positions(), before)
+        outcomes.add(fits)
+    assert outcomes == {True, False}  # the budgets cross the boundary
+    cm = kvcompile.apply(llama_cm, budget=0.6, recipe=recipe, page_size=4)
+    cm.prefill(ids, mask)  # 47 and 60 tokens hold the window in 0.6 of their bytes; 20 do not
+    held, stats = cm.held_positions().clone(), cm.cache_stats()
+    with pytest.raises(ValueError, match="alone exceed|does not fit"):
+        cm.generate(ids[:, -20:], max_new_tokens=2)
+    assert torch.equal(cm.held_positions(), held) and cm.cache_stats() == stats
+    assert cm.decode(ids[:, -1:]).shape[:2] == (2, 1)  # not torn: the held turn goes on
+
 @pytest.mark.parametrize("name", ["kivi2", "int4"])
 def test_decoding_demotes_what_leaves_the_window_and_teacher_forcing_sees_the_same_cache(llama_cm, name):
     """While generating, the tokens that leave the ``precise_recent`` window move to the format (KIVI quantizes
