@@ -408,14 +408,15 @@ def test_compiled_programs_read_format_pages_without_recompiling(llama_cm):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "another prompt length recompiled"
 
 
-@pytest.mark.parametrize("name", ["fp16", "fp8", "int3", "k8v4", "kivi2-r8"])
+@pytest.mark.parametrize("name", ["fp16", "fp8", "int3", "k8v4", "kivi2-r8", "think", "tq3"])
 def test_every_format_compiles_to_the_eager_tokens_without_recompiling_per_length(llama_cm, name):
     """Each kind of format through ``torch.compile`` (full graph, Dynamo's ``eager`` backend: the capture and its
     guards, where a format's code dtypes and metadata shapes meet the compiler; the format decode is one opaque op
     after that, and Inductor runs it on int4 above): the eager model's tokens, and a second prompt length
     recompiles nothing. One format per codec layout: a narrow float (bf16 alike), fp8 bytes with row scales,
-    packed odd-width integers (int8, int4 and int2 alike), different key and value codecs, and KIVI's page-local
-    keys demoting while it decodes (``-r8``: the format pool changes size between steps). With eviction (snapkv)
+    packed odd-width integers (int8, int4 and int2 alike), different key and value codecs, KIVI's page-local
+    keys demoting while it decodes (``-r8``: the format pool changes size between steps), ThinK's pruned key
+    channels (a per-head channel list) and TQ3's rotated page-local codes. With eviction (snapkv)
     or demotion, so both pools are read: the format's and the model dtype's (decoded tokens). All of them run in
     one process, as a sweep's forks do: each format compiles its own programs (``Programs.for_format``)."""
     import torch._dynamo.utils as dynamo_utils
