@@ -237,14 +237,14 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self._pending = []
 
     @contextlib.contextmanager
-    def observing(self):
+    def observing(self, gradients: bool = True):
         """(the cache as the scorer sees it when it compresses, the ``Gradients`` source's norms or None), with its
         declared sources supplied (KVzip's reconstruction of the tokens read since the last compression is
-        prefilled, and dropped again on exit; KVgrad's backward pass over them)."""
+        prefilled, and dropped again on exit; KVgrad's backward pass over them, unless not ``gradients``)."""
         ids, real = (torch.cat(x, 1) for x in zip(*self._pending)) if self._pending else (None, None)
         rerun = lambda i, r: self._prefill_step(i, r, "prefill_last", compressing=True)  # noqa: E731
-        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source) as gradients:
-            yield self.cache, gradients
+        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source, gradients) as norms:
+            yield self.cache, norms
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
