@@ -173,19 +173,12 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     position; default ``cache.seen``) go first, losslessly: they are no candidates and take nothing of the budget,
     which the allocator then shares among what is still visible (on a hybrid model, mostly the global layers)."""
     precise_recent, anchors = recipe.precise_recent, recipe.precise_anchors
+    check_fits(cache, recipe, scorer, budget_bytes, cache.seen)
     held = cache.held().long()
     recent = cache.precise(precise_recent, anchors)
     n_recent = recent.sum(-1)
     recent_bytes = cache.pages_held(n_recent).sum(dim=(0, 2)) * cache.page_bytes
     fits = cache.pages_held(held - n_recent).sum(dim=(0, 2)) * cache.stored_page_bytes + recent_bytes <= budget_bytes
-    budget = f"the budget ({int(budget_bytes.min())} bytes in a sequence)"
-    if bool((recent_bytes > budget_bytes).any()):
-        what = f" and every {anchors}th page (precise_anchors)" if anchors else ""
-        raise ValueError(f"the newest {precise_recent} tokens in the model's dtype (precise_recent){what} alone exceed "
-                         f"{budget}; shorten the window or raise the budget")
-    if scorer is None and not bool(fits.all()):
-        raise ValueError(f"every token in {cache.page_format} pages does not fit {budget}; add a scorer that evicts, "
-                         "or raise the budget")
     channels = key_channels(cache, layers)
     if cache.page_format is not None and (scorer is None or bool(fits.all())):
         cache.demote(precise_recent, channels=channels, anchors=anchors)
@@ -212,6 +205,28 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     if recipe.merge:
         merge_evicted(cache, plan, layers, ValueMerging(**recipe.merge))
     cache.keep(plan)
+
+
+def check_fits(cache: PagedKVCache, recipe, scorer: Scorer | None, budget_bytes: Tensor, seen: Tensor,
+               fresh: bool = False) -> None:
+    """Raise when ``compress`` could not hold ``budget_bytes`` [B] once each row has read ``seen`` [B] tokens
+    (``PagedKVCache.counts_after``; ``fresh``: from an empty cache): the tokens ``recipe`` keeps in the model's dtype
+    (``precise_recent``, ``precise_anchors``) alone exceed it, or, with no scorer to evict, every token in its page
+    format does. Called before a prefill writes anything, so a refusal leaves the cache as it was."""
+    window, anchors = recipe.precise_recent, recipe.precise_anchors
+    if cache.page_format is None:
+        return
+    held, precise = cache.counts_after(window, anchors, seen, fresh)
+    recent = cache.pages_held(precise).sum(dim=(0, 2)) * cache.page_bytes
+    budget = f"the budget ({int(budget_bytes.min())} bytes in a sequence)"
+    if bool((recent > budget_bytes).any()):
+        what = f" and every {anchors}th page (precise_anchors)" if anchors else ""
+        raise ValueError(f"the newest {window} tokens in the model's dtype (precise_recent){what} alone exceed "
+                         f"{budget}; shorten the window or raise the budget")
+    stored = cache.pages_held(held - precise).sum(dim=(0, 2)) * cache.stored_page_bytes
+    if scorer is None and bool((recent + stored > budget_bytes).any()):
+        raise ValueError(f"every token in {cache.page_format} pages does not fit {budget}; add a scorer that evicts, "
+                         "or raise the budget")
 
 
 def key_channels(cache: PagedKVCache, layers) -> Tensor | None:

@@ -163,9 +163,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
             raise ValueError(f"logits must be 'all' or 'last', got {logits!r}")
         real = self._check(input_ids, attention_mask)
         starts = None if segments is None else segmenting.boundaries(segments, input_ids, real.cpu(), tokenizer)
-        self._refuse_without_question(compress)
         if compress:
-            self._refuse_partial_replay()
+            self._refuse_compressing(real.sum(1))
         with self._changing():
             return self._prefill(input_ids, real, compress, logits, segments=starts)
 
@@ -206,8 +205,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         before them, which alone compete; the scorer still reads their queries."""
         if self.seen is None:
             raise RuntimeError("the cache is empty: call prefill first")
-        self._refuse_without_question()
-        self._refuse_partial_replay()
+        self._refuse_compressing(torch.zeros_like(self.seen), self.seen - keep_last)
         checks.keep_last(keep_last, int(self.seen.min()), self.recipe, self.scorer, self.allocator)
         with self._changing():
             self.context_tokens = self.cache.seen - keep_last
@@ -239,14 +237,14 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self._pending = []
 
     @contextlib.contextmanager
-    def observing(self):
+    def observing(self, gradients: bool = True):
         """(the cache as the scorer sees it when it compresses, the ``Gradients`` source's norms or None), with its
         declared sources supplied (KVzip's reconstruction of the tokens read since the last compression is
-        prefilled, and dropped again on exit; KVgrad's backward pass over them)."""
+        prefilled, and dropped again on exit; KVgrad's backward pass over them, unless not ``gradients``)."""
         ids, real = (torch.cat(x, 1) for x in zip(*self._pending)) if self._pending else (None, None)
         rerun = lambda i, r: self._prefill_step(i, r, "prefill_last", compressing=True)  # noqa: E731
-        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source) as gradients:
-            yield self.cache, gradients
+        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source, gradients) as norms:
+            yield self.cache, norms
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -279,6 +277,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         first = (input_ids, real) if context_ids is None else (context_ids, context_real)
         starts = None if segments is None else segmenting.boundaries(segments, first[0], first[1].cpu(), tokenizer)
         self._refuse_without_question(context_ids is None)
+        n = first[1].sum(1) + (real.sum(1) if context_ids is not None and self.reads_question else 0)
+        self._refuse_overflowing_window(n.to(self.device), n, fresh=True)
         self._check_draft(draft, draft_tokens, input_ids, attention_mask, context_ids, context_mask, max_new_tokens)
         checks.early_stop(early_stop, draft)
         if self.schedule is not None and max_new_tokens > 1:

@@ -83,12 +83,13 @@ def observe(cache: PagedKVCache, layer: LayerSpec, gradients: Tensor | None = No
 
 @contextlib.contextmanager
 def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | None, real: Tensor | None,
-                   source: nn.Module | None = None):
+                   source: nn.Module | None = None, gradients: bool = True):
     """Around one compression: when ``scorer`` declares a ``Reconstruction``, prefill its prompt for the tokens just
     read (``input_ids``, ``real`` [B, T]) with the ring cleared, so the window holds the prompt's queries alone;
     afterwards drop the prompt's tokens (``PagedKVCache.drop_from``). ``prefill(ids, real)`` runs one prefill step.
-    Yields None, or with ``Gradients`` the gradient norms [L, B, W] of the window's queries, from one dense backward
-    pass of ``source`` over ``input_ids`` (every token the cache read: checked) and the prompt."""
+    Yields None, or with ``Gradients`` (and ``gradients``) the gradient norms [L, B, W] of the window's queries,
+    from one dense backward pass of ``source`` over ``input_ids`` (every token the cache read: checked) and the
+    prompt."""
     if input_ids is None or scorer is None or not any(isinstance(s, Reconstruction) for s in scorer.sources()):
         yield None
         return
@@ -96,14 +97,14 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
     ids, mask = scorer.reconstruction_prompt(input_ids, real)
     cache.ring.clear()
     prefill(ids, mask.to(cache.device))
-    gradients = None
-    if reads_gradients(scorer.sources()):
+    norms = None
+    if gradients and reads_gradients(scorer.sources()):
         if not torch.equal(seen, real.sum(1).to(seen)):
             raise ValueError("the gradient pass replays every token the cache read, but some were compressed "
                              "earlier: read the prompt in one prefill, before any compression")
-        gradients = _window_gradients(source, cache, torch.cat([input_ids, ids], 1),
-                                      torch.cat([real.bool(), mask.to(real.device).bool()], 1), real.shape[1])
-    yield gradients
+        norms = _window_gradients(source, cache, torch.cat([input_ids, ids], 1),
+                                  torch.cat([real.bool(), mask.to(real.device).bool()], 1), real.shape[1])
+    yield norms
     cache.drop_from(seen)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from . import observation
+from .compress import check_fits
 from .kernels.formats import get_format
 from .kernels.pruned import PrunedCodec
 from .methods.think import ThinK
@@ -67,6 +68,23 @@ class Steps:
         if compressing and self.reads_question and not self.budget.is_full:
             raise ValueError(f"recipe {self.recipe.name!r} ranks the context by the question's queries: give the "
                              "question apart, generate(question_ids, context_ids=context_ids)")
+
+    def _refuse_compressing(self, read: Tensor, budget_tokens: Tensor | None = None) -> None:
+        """Raise, before anything changes, when a compression after reading ``read`` [B] more tokens cannot go as
+        asked; its budget is measured against ``budget_tokens`` [B] (default: the context read so far and ``read``)."""
+        fresh = self.seen is None
+        self._refuse_without_question()
+        if not fresh:
+            self._refuse_partial_replay()
+        if budget_tokens is None:
+            budget_tokens = read if fresh else self.context_tokens + read.to(self.context_tokens)
+        self._refuse_overflowing_window(read, budget_tokens, fresh)
+
+    def _refuse_overflowing_window(self, read: Tensor, budget_tokens: Tensor, fresh: bool) -> None:
+        """Raise, before anything changes, when a format recipe's compression could not hold the budget once ``read``
+        [B] more tokens are read (``compress.check_fits``)."""
+        seen = read if fresh else self.seen + read.to(self.seen)
+        check_fits(self.cache, self.recipe, self.scorer, self.cache.budget_bytes(self.budget, budget_tokens), seen, fresh)
 
     def _refuse_partial_replay(self) -> None:
         """Raise, before anything changes, when a scorer's gradient pass (``Gradients``) could not replay every token

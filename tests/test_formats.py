@@ -280,6 +280,43 @@ def test_a_recent_window_beside_a_scorer_costs_the_model_dtype_and_the_scored_re
         kvcompile.apply(llama_cm, budget=0.2, recipe=summary, page_size=4)
 
 
+
+@pytest.mark.parametrize("name", ["kivi2", "minima-kv"])
+def test_a_window_the_budget_cannot_hold_is_refused_before_anything_is_written(llama_cm, name):
+    """A prefill (or generate) whose precise window and anchor pages alone would exceed the budget is refused before
+    it writes: an empty cache stays empty, a held turn stays as it was, and the model is not left torn. At every
+    budget the refusal agrees with the one ``compress()`` gives over the same tokens read uncompressed."""
+    ids, mask = _prompt()
+    recipe = dataclasses.replace(kvcompile.recipes()[name], name=f"{name}-w16", precise_recent=16)
+    outcomes = set()
+    for budget in (0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.8):
+        cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)
+        try:
+            cm.prefill(ids, mask)
+            fits = True
+        except ValueError as error:
+            assert "alone exceed" in str(error) or "pages does not fit the budget" in str(error)
+            assert cm.seen is None  # nothing read, nothing allocated
+            fits = False
+        other = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)
+        other.prefill(ids, mask, compress=False)
+        before = other.held_positions().clone()
+        try:
+            other.compress()
+            assert fits, f"budget {budget}: prefill refused what compress() holds"
+        except ValueError:
+            assert not fits, f"budget {budget}: prefill held what compress() refuses"
+            assert torch.equal(other.held_positions(), before)
+        outcomes.add(fits)
+    assert outcomes == {True, False}  # the budgets cross the boundary
+    cm = kvcompile.apply(llama_cm, budget=0.6, recipe=recipe, page_size=4)
+    cm.prefill(ids, mask)  # 47 and 60 tokens hold the window in 0.6 of their bytes; 20 do not
+    held, stats = cm.held_positions().clone(), cm.cache_stats()
+    with pytest.raises(ValueError, match="alone exceed|does not fit"):
+        cm.generate(ids[:, -20:], max_new_tokens=2)
+    assert torch.equal(cm.held_positions(), held) and cm.cache_stats() == stats
+    assert cm.decode(ids[:, -1:]).shape[:2] == (2, 1)  # not torn: the held turn goes on
+
 @pytest.mark.parametrize("name", ["kivi2", "int4"])
 def test_decoding_demotes_what_leaves_the_window_and_teacher_forcing_sees_the_same_cache(llama_cm, name):
     """While generating, the tokens that leave the ``precise_recent`` window move to the format (KIVI quantizes
@@ -371,14 +408,15 @@ def test_compiled_programs_read_format_pages_without_recompiling(llama_cm):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "another prompt length recompiled"
 
 
-@pytest.mark.parametrize("name", ["fp16", "fp8", "int3", "k8v4", "kivi2-r8"])
+@pytest.mark.parametrize("name", ["fp16", "fp8", "int3", "k8v4", "kivi2-r8", "think", "tq3"])
 def test_every_format_compiles_to_the_eager_tokens_without_recompiling_per_length(llama_cm, name):
     """Each kind of format through ``torch.compile`` (full graph, Dynamo's ``eager`` backend: the capture and its
     guards, where a format's code dtypes and metadata shapes meet the compiler; the format decode is one opaque op
     after that, and Inductor runs it on int4 above): the eager model's tokens, and a second prompt length
     recompiles nothing. One format per codec layout: a narrow float (bf16 alike), fp8 bytes with row scales,
-    packed odd-width integers (int8, int4 and int2 alike), different key and value codecs, and KIVI's page-local
-    keys demoting while it decodes (``-r8``: the format pool changes size between steps). With eviction (snapkv)
+    packed odd-width integers (int8, int4 and int2 alike), different key and value codecs, KIVI's page-local
+    keys demoting while it decodes (``-r8``: the format pool changes size between steps), ThinK's pruned key
+    channels (a per-head channel list) and TQ3's rotated page-local codes. With eviction (snapkv)
     or demotion, so both pools are read: the format's and the model dtype's (decoded tokens). All of them run in
     one process, as a sweep's forks do: each format compiles its own programs (``Programs.for_format``)."""
     import torch._dynamo.utils as dynamo_utils

@@ -33,6 +33,14 @@ MIN_PAGES = 2  # pages of a format pool at least: the scratch page and a spare
 FORMAT_TENSORS = ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos", "fmt_table", "fmt_lengths")
 
 
+def precise_positions(pos: Tensor, seen: Tensor, window: int, anchors: int, page_size: int) -> Tensor:
+    """True at the positions ``pos`` (-1: no entry) a format recipe keeps in the model's dtype once their row has read
+    ``seen`` tokens (broadcast against ``pos``): the ``window`` newest and, with ``anchors``, those of every
+    ``anchors``-th page of ``page_size`` positions from 0 (Minima-KV's anchor pages)."""
+    keep = (pos >= 0) & (pos >= seen - window) if window else torch.zeros_like(pos, dtype=torch.bool)
+    return keep | (pos >= 0) & ((pos // page_size) % anchors == 0) if anchors else keep
+
+
 class FormatPool:
     """Format-pool state and moves of ``PagedKVCache`` (mixed into it)."""
 
@@ -127,14 +135,28 @@ class FormatPool:
         pos = self.positions()
         return (pos >= 0) & (pos >= (self.seen - window)[None, :, None, None])
 
-    def precise(self, window: int, anchors: int = 0) -> Tensor:
-        """[L, B, Hkv, S] True at the entries a format recipe keeps in the model's dtype: each row's ``window``
-        newest (``newest``) and, with ``anchors``, those of every ``anchors``-th page of positions (pages of
-        ``page_size`` positions from 0: Minima-KV's anchor pages)."""
-        if not anchors:
-            return self.newest(window)
-        pos = self.positions()
-        return self.newest(window) | ((pos >= 0) & ((pos // self.page_size) % anchors == 0))
+    def precise(self, window: int, anchors: int = 0, seen: Tensor | None = None) -> Tensor:
+        """[L, B, Hkv, S] True at the entries a format recipe keeps in the model's dtype (``precise_positions``), as
+        of each row having read ``seen`` [B] tokens (default: what it has read)."""
+        if not (window or anchors):
+            return self.newest(0)
+        seen = self.seen if seen is None else seen
+        return precise_positions(self.positions(), seen[None, :, None, None], window, anchors, self.page_size)
+
+    def counts_after(self, window: int, anchors: int, seen: Tensor, fresh: bool = False) -> tuple[Tensor, Tensor]:
+        """([L, B, Hkv] entries held, those of them ``precise`` marks) once each row has read ``seen`` [B] tokens,
+        before anything is compressed: the entries held now (none when ``fresh``: the cache is about to start again)
+        and one per position a prefill up to ``seen`` would append. What a prefill is checked against before it
+        writes anything."""
+        start = torch.zeros_like(seen) if fresh else self.seen
+        pos = start[:, None] + torch.arange(int((seen - start).max()), device=self.device)
+        new = pos.masked_fill(pos >= seen[:, None], -1)
+        widen = lambda n: n[None, :, None].expand(self.num_layers, -1, self.num_kv_heads)  # noqa: E731
+        held, precise = widen((new >= 0).sum(-1)), widen(precise_positions(new, seen[:, None], window, anchors,
+                                                                            self.page_size).sum(-1))
+        if fresh:
+            return held, precise
+        return held + self.held(), precise + self.precise(window, anchors, seen).sum(-1)
 
     def demote(self, precise_recent: int, shrink: bool = True, channels: Tensor | None = None,
                anchors: int = 0) -> None:

@@ -36,9 +36,9 @@ def dropped_mass(before, after) -> dict:
     where it observed none (a recipe whose scorer reads no queries: ``window`` 0)."""
     held = after.held_positions().long()  # [L, B, Hkv, S]
     worst, total, count, window = None, 0.0, 0, 0
-    with before.observing() as (cache, gradients):
+    with before.observing(gradients=False) as (cache, _):  # KVgrad's gradients weigh queries; the mass needs none
         for layer in before.programs.layers:
-            obs = observe(cache, layer, gradients)
+            obs = observe(cache, layer)
             n = int(obs.positions.max()) + 1
             pos = held[obs.layer]
             kept = torch.zeros(*pos.shape[:2], n + 1, dtype=torch.bool, device=pos.device)
