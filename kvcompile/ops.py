@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from .kernels import reference
-from .kernels.formats import PrunedCodec, TQ3Keys, TQ3Values, codec_of
 
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
 
@@ -75,7 +74,7 @@ def _attend(
         else:
             out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
         return out.contiguous()
-    if _on_gpu(q) and _kernel_reads(stored, q.shape[-1]):
+    if _on_gpu(q):
         # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
 
@@ -94,13 +93,6 @@ def _first_chunk(q_pos, lengths, stored, window) -> bool:
     T = q_pos.shape[1]
     return (window == 0 and stored.empty and bool((lengths == T).all())
             and bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all()))
-
-
-def _kernel_reads(stored: reference.FormatPages, head_dim: int) -> bool:
-    """Whether the Triton decode reads this format pool: not ThinK's pruned keys nor TQ3's rotated codes (the
-    reference decodes those a tile at a time)."""
-    return stored.empty or not any(isinstance(codec_of(c, m, head_dim), (PrunedCodec, TQ3Keys, TQ3Values))
-                                   for c, m in ((stored.k, stored.k_meta), (stored.v, stored.v_meta)))
 
 
 @torch.library.custom_op("kvcompile::format_attention", mutates_args=())

@@ -278,10 +278,12 @@ def test_decode_never_reads_rows_past_a_head(seed, poison):
 
 
 @pytest.mark.parametrize("name, P", [("int8", 1), ("int4", 16), ("int3", 16), ("int2", 1), ("fp8", 16),
-                                     ("k8v4", 1), ("kivi2", 16)])
+                                     ("k8v4", 1), ("kivi2", 16), ("think", 1), ("think", 16), ("tq3", 1),
+                                     ("tq3", 16)])
 def test_decode_reads_format_pages_in_registers(seed, name, P):
     """The format pool's launch decodes its rows in the kernel: it matches the reference over the same pools
-    (model-dtype heads of lengths 0, 1, P, P + 1, ...; format heads ragged too), GQA, with a window."""
+    (model-dtype heads of lengths 0, 1, P, P + 1, ...; format heads ragged too), GQA, with a window. ThinK's pages
+    each list their own random kept channels; TQ3's rotated codes are read with the query rotated instead."""
     from kvcompile.kernels.formats import FORMATS, encode_pool
 
     fmt, B, Hkv, G, D = FORMATS[name], 2, 3, 2, 32
@@ -293,6 +295,11 @@ def test_decode_reads_format_pages_in_registers(seed, name, P):
     SMAXP = (int(stored_lengths.max()) + P - 1) // P + 1
     sk, sv, spos, stable = make_cache(stored_lengths, P, D, SMAXP, torch.float32, positions=lambda b, h, L: torch.arange(L))
     kc, km = encode_pool(fmt.key, sk.cpu())
+    if name == "think":
+        g = torch.Generator().manual_seed(seed)
+        kept = fmt.key.kept(D)
+        channels = torch.stack([torch.randperm(D, generator=g)[:kept].sort().values for _ in range(sk.shape[0])])
+        kc, km = fmt.key.encode_pages(sk.cpu(), torch.ones(sk.shape[:2], dtype=torch.bool), channels)
     vc, vm = encode_pool(fmt.value, sv.cpu())
     stored = reference.FormatPages(*(t.to(DEVICE) for t in (kc, km, vc, vm)), spos, stable, stored_lengths.to(DEVICE))
     q = torch.randn(B, Hkv * G, 1, D, device=DEVICE)

@@ -25,7 +25,9 @@ unweighted cache compiles the kernel without the load).
 A format pool (``reference.FormatPages``: entries stored in a page format) gets a stage-1 launch of its own,
 with the format's layout as constants, whose splits follow the model-dtype pool's in the work buffers; the one
 stage 2 merges them all (Minima-KV's merge is this split-K merge). Its rows are decoded in registers
-(``_load_rows``): the K/V traffic is the stored bytes plus their scales, and no dequantized copy is written.
+(``_load_rows``): the K/V traffic is the stored bytes plus their scales, and no dequantized copy is written. TQ3's
+Hadamard rotation is never applied to a key or value: ``q . H(x) = H(q) . x``, so the launch rotates the query once
+and, since attention is linear in the values, rotates its output back once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from .formats import ChannelCodec, Fp8Codec, IntCodec, PrunedCodec, TQ3Keys, TQ3Values, codec_of
+from .tq3 import fwht
 
 BLOCK_N = 32  # tokens per K/V tile
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
@@ -58,9 +61,12 @@ def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn,
     the rows as they are (a float dtype, float8 included, with an fp32 scale per row when GROUP is 1 -- fp8),
     BITS 8/4/2 unpack plane ``d // W`` of byte ``d % W`` (W = D * BITS / 8) and 3 joins a 2-bit and a 1-bit
     plane, then apply the fp16 scale and minimum of channel d's group of GROUP (GROUP -1: of channel d in the
-    row's page, KIVI's keys)."""
+    row's page, KIVI's keys). Three layouts need more than a scale: BITS -1 ThinK's pruned keys (GROUP kept
+    channels, put back at the channels the page lists, zeros elsewhere), -2 TQ3 keys (the 3-bit direction times
+    norm / |levels|, still rotated: the caller rotates the query instead) and -3 TQ3 values (the page's affine
+    grid, still rotated: the caller rotates the output back)."""
     base = ptr + page[:, None] * stride_n + row[:, None] * stride_p
-    if GROUP == -1:
+    if GROUP == -1 or BITS < 0:
         meta = meta_ptr + page[:, None] * stride_mn  # one metadata row per page
     else:
         meta = meta_ptr + page[:, None] * stride_mn + row[:, None] * stride_mp
@@ -69,12 +75,27 @@ def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn,
         if GROUP == 1:  # fp8: one fp32 scale per row
             x = x * tl.load(meta + 0 * d[None, :], mask=mask, other=0.0)
         return x
-    if BITS == 3:
+    if BITS == -1:  # row [n, w] is channel list[n, w] of the row: a one-hot sum puts it there
+        kept = mask & (d < GROUP)[None, :]
+        x = tl.load(base + d[None, :], mask=kept, other=0.0).to(tl.float32)
+        channel = tl.load(meta + d[None, :], mask=kept, other=-1).to(tl.int32)
+        return tl.sum(x[:, :, None] * (channel[:, :, None] == d[None, None, :]).to(tl.float32), 1)
+    if BITS == 3 or BITS < -1:
         W2: tl.constexpr = D // 4
         W1: tl.constexpr = D // 8
         lo = (tl.load(base + (d % W2)[None, :], mask=mask, other=0) >> ((d // W2) * 2)[None, :].to(tl.uint8)) & 3
         hi = (tl.load(base + (W2 + d % W1)[None, :], mask=mask, other=0) >> (d // W1)[None, :].to(tl.uint8)) & 1
         q = lo | (hi << 2)
+        if BITS == -2:  # symmetric levels; the fp16 norm's two bytes follow the codes (rows of page 0 when masked)
+            levels = tl.where(mask, q.to(tl.float32) - 3.0, 0.0)
+            norm = (tl.load(base + 3 * D // 8) | (tl.load(base + 3 * D // 8 + 1).to(tl.uint16) << 8)).to(
+                tl.float16, bitcast=True).to(tl.float32)  # [BLOCK_N, 1]
+            size = tl.sqrt(tl.sum(levels * levels, 1))[:, None]
+            return levels * (norm / tl.maximum(size, 1e-30))
+        if BITS == -3:  # one (scale, minimum) per page
+            scale = tl.load(meta + 0 * d[None, :], mask=mask, other=0.0)
+            low = tl.load(meta + 1 + 0 * d[None, :], mask=mask, other=0.0)
+            return tl.where(mask, q.to(tl.float32) * scale + low, 0.0)
     else:
         W: tl.constexpr = D * BITS // 8
         q = (tl.load(base + (d % W)[None, :], mask=mask, other=0) >> ((d // W) * BITS)[None, :].to(tl.uint8)) \
@@ -88,7 +109,7 @@ def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn,
 @triton.jit
 def _decode_split_kernel(
     q_ptr, q_pos_ptr, k_ptr, v_ptr, k_meta_ptr, v_meta_ptr, page_pos_ptr, lw_ptr, page_table_ptr, lengths_ptr,
-    part_out_ptr, part_lse_ptr, scale, window,
+    rotation_ptr, part_out_ptr, part_lse_ptr, scale, window,
     stride_qb, stride_qh, stride_kn, stride_kp, stride_vn, stride_vp, stride_kmn, stride_kmp, stride_vmn, stride_vmp,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, P: tl.constexpr, MAXP: tl.constexpr,
     MAX_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -111,6 +132,10 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = tl.load(q_pos_ptr + b)
+    if K_BITS == -2 or V_BITS == -3:  # TQ3: the orthonormal Hadamard matrix [D, D] (symmetric, its own inverse)
+        rotation = tl.load(rotation_ptr + d[:, None] * D + d[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0.0)
+    if K_BITS == -2:  # q . H(x) = H(q) . x: rotate the query once instead of every key
+        q = _dot(q.to(tl.float32), rotation, True)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -140,6 +165,8 @@ def _decode_split_kernel(
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if V_BITS == -3:  # the values were summed in the rotated basis: rotate the output back
+        out = _dot(out, rotation, True)
     lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     row = (bh * G + g) * ALL_SPLITS + FIRST_SPLIT + split  # [B, Hkv, G, ALL_SPLITS] flattened
     tl.store(part_lse_ptr + row, lse, mask=g_ok)
@@ -200,6 +227,8 @@ def paged_decode(
     assert out.shape == q.shape and out.stride(-1) == 1
     q_pos = q_pos.contiguous()
     weighted = log_weights is not None and log_weights.shape[0] > 0
+    tq3 = stored is not None and not stored.empty and isinstance(codec_of(stored.k, stored.k_meta, D), TQ3Keys)
+    rotation = fwht(torch.eye(D, device=q.device)) if tq3 else q  # the Hadamard matrix, read by TQ3 pages only
     pools = [(k_pages, None, v_pages, None, page_pos, page_table, lengths, weighted)]
     if stored is not None and not stored.empty:
         pools.append((*stored, False))
@@ -212,8 +241,8 @@ def paged_decode(
         k_meta, v_meta = (k if k_meta is None else k_meta), (v if v_meta is None else v_meta)
         pos, table, lens = (t.contiguous() for t in (pos, table, lens))
         wrap_triton(_decode_split_kernel)[(B * Hkv, max_splits)](
-            q, q_pos, k, v, k_meta, v_meta, pos, log_weights.contiguous() if lw else pos, table, lens, part_out,
-            part_lse,
+            q, q_pos, k, v, k_meta, v_meta, pos, log_weights.contiguous() if lw else pos, table, lens, rotation,
+            part_out, part_lse,
             scale, window if window > 0 else 2**31 - 1,  # no window: every causal key is in range
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_meta.stride(0), k_meta.stride(1), v_meta.stride(0), v_meta.stride(1),
@@ -234,12 +263,15 @@ def paged_decode(
 
 def _layout(codes: Tensor, meta: Tensor | None, head_dim: int) -> tuple[int, int]:
     """(BITS, GROUP) constants of ``_load_rows`` for rows stored by ``formats.codec_of(codes, meta)``: (0, 0) a
-    float dtype, (0, 1) fp8 with a row scale, (bits, group) the integer codecs, (bits, -1) per-channel pages."""
+    float dtype, (0, 1) fp8 with a row scale, (bits, group) the integer codecs, (bits, -1) per-channel pages,
+    (-1, kept channels) ThinK's keys, (-2, 0) TQ3 keys, (-3, 0) TQ3 values."""
     if meta is None:
         return 0, 0
     codec = codec_of(codes, meta, head_dim)
-    if isinstance(codec, (PrunedCodec, TQ3Keys, TQ3Values)):  # ops._attend sends these to the reference
-        raise NotImplementedError(f"the Triton decode does not read {type(codec).__name__} pages")
+    if isinstance(codec, PrunedCodec):
+        return -1, codes.shape[-1]
+    if isinstance(codec, (TQ3Keys, TQ3Values)):
+        return (-2 if isinstance(codec, TQ3Keys) else -3), 0
     if isinstance(codec, ChannelCodec):
         return codec.bits, -1
     if isinstance(codec, IntCodec):
