@@ -90,6 +90,27 @@ def test_the_budget_caps_what_the_threshold_keeps(llama_cm):
         assert set(range(n - WINDOW, n)) <= held
 
 
+@pytest.mark.parametrize("every", [1, 8])
+def test_while_decoding_the_tokens_that_leave_the_window_are_kept_iff_scored_at_least_tau(llama_cm, every):
+    """The decode policy "dms": after every run the cache holds exactly the newest 128 positions and the older
+    ones scored at least tau, whatever the run interval; tokens decided kept at prefill stay unless their score
+    says otherwise (they cannot: a score is fixed once written); rows of different lengths decided apart."""
+    tau, lengths, steps = 0.0, (300, 260), 41
+    args = {"base": "test-mock-scores", "window": WINDOW}
+    recipe = kvcompile.Recipe(f"dms-decode-mock{every}", "dms", "threshold", args, {"tau": tau},
+                              decode={"policy": "dms", "every": every, "recent": WINDOW, "args": {**args, "tau": tau}})
+    cm = kvcompile.apply(llama_cm, budget=0.9, recipe=recipe, page_size=4)
+    ids, mask = left_padded_batch(list(lengths), total=max(lengths))
+    cm.generate(ids, mask, max_new_tokens=steps, eos_token_id=[])
+    runs = 1 + (steps - 2) // every  # the decode steps after the first token, one run at the first and every `every`
+    decided = [n + 1 + (runs - 1) * every for n in lengths]  # tokens read when the last run went
+    for (layer, row, head), held in _held(cm).items():
+        n, seen = decided[row], lengths[row] + steps - 1
+        expected = {p for p in range(n) if p >= n - WINDOW or mock_score(torch.tensor(float(p)), layer, head) >= tau}
+        assert held == expected | set(range(n, seen)), (every, layer, row, head)
+    assert cm.cache_stats()["bytes_held"] <= cm.cache_stats()["budget_bytes"]
+
+
 def test_bad_window_is_refused(llama_cm):
     with pytest.raises(ValueError, match="window"):
         kvcompile.apply(llama_cm, budget=0.5, recipe=kvcompile.Recipe(

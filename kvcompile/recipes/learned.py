@@ -11,14 +11,20 @@ _KVZAP = ("the surrogate reads each head's held value and key (its rotary-pair n
           "cache holds none); a linear model per (layer, KV head) fitted by AdamW (kvpress: ridge per layer) on "
           "this library's KVzip scores (no instruction, one chunk; kvpress: KVzip+) of offline contexts; KVzip's "
           "4 sinks kept")
+_DMS_ARGS = {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128}
 
 LEARNED = [
     Recipe("kvzap", "kvzap", "global-topk", {"weights": "smollm2-135m", "sha256": _KVZAP_SHA},
            trained_for="smollm2-135m",
            source="https://arxiv.org/abs/2601.07891 (kvpress KVzapPress)", provenance="peer", inferred=_KVZAP),
-    Recipe("dms", "dms", "threshold",
-           {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128},
-           {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
+    Recipe("dms", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
            provenance="peer", inferred=_KVZAP + "; prefill only (no decode-time FIFO); the budget caps what the "
            "threshold keeps (kvpress: the threshold alone decides); tau -4 from kvpress's README, not tuned here"),
+    Recipe("dms-decode", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m",
+           decode={"policy": "dms", "every": 16, "recent": 128, "args": {**_DMS_ARGS, "tau": -4.0}},
+           source="DMS (https://arxiv.org/abs/2506.05345) as kvpress's DMSPress over KVzap (METHODS.md §32), also "
+           "while decoding", provenance="peer",
+           inferred=_KVZAP + "; while decoding, the tokens that left the newest 128 are decided every 16 steps "
+           "(DMS: each as it leaves), kept iff scored >= tau; the budget, counted over every token read, caps what "
+           "is kept; tau -4 from kvpress's README, not tuned here"),
 ]
