@@ -11,6 +11,7 @@ per (layer, KV head), so heads that hold different tokens (after an earlier comp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from . import learned
 from .base import Observation, Scorer, protect, register_scorer
 
-TRAIN_HINT = "train them with `kvcompile train kvzap --model {name}` (minutes on 2 CPU cores; see docs/guide.md)"
+TRAIN_HINT = "train them with `kvcompile train {method} --model {name}` (minutes on 2 CPU cores; see docs/guide.md)"
 
 
 def token_features(keys: Tensor, values: Tensor) -> Tensor:
@@ -77,6 +78,7 @@ class KVzap(Scorer):
     recipe is built, never run untrained. The first ``n_sink`` tokens are kept, as KVzip keeps them. Reads no
     queries and no extra pass: each token is scored from its own entries."""
 
+    method: ClassVar[str] = "kvzap"  # the weights' file prefix and the train command's method
     weights: str = "smollm2-135m"
     sha256: str = ""
     n_sink: int = 4
@@ -84,8 +86,9 @@ class KVzap(Scorer):
 
     def __post_init__(self):
         if self.n_sink < 0:
-            raise ValueError(f"kvzap: n_sink must be >= 0, got {self.n_sink}")
-        tensors, self.card = learned.load("kvzap", self.weights, self.sha256, TRAIN_HINT.format(name=self.weights))
+            raise ValueError(f"{self.method}: n_sink must be >= 0, got {self.n_sink}")
+        hint = TRAIN_HINT.format(method=self.method, name=self.weights)
+        tensors, self.card = learned.load(self.method, self.weights, self.sha256, hint)
         self.net = Surrogate.from_tensors(tensors)
 
     @property
@@ -99,10 +102,10 @@ class KVzap(Scorer):
         """Refuse, before anything runs, weights trained for another shape of model."""
         want = (num_layers, num_kv_heads, 3 * (head_dim // 2) + 2)
         if self.net.shape != want:
-            raise ValueError(f"kvzap weights {self.weights!r} were trained for {self.net.shape[0]} layers x "
+            raise ValueError(f"{self.method} weights {self.weights!r} were trained for {self.net.shape[0]} layers x "
                              f"{self.net.shape[1]} KV heads (card: {self.card.get('model', '?')}); this model has "
                              f"{num_layers} x {num_kv_heads} (head_dim {head_dim}): "
-                             + TRAIN_HINT.format(name="<model>"))
+                             + TRAIN_HINT.format(method=self.method, name="<model>"))
 
     def score(self, obs: Observation) -> Tensor:
         if self.net.w.device != obs.keys.device:

@@ -1,4 +1,4 @@
-"""The learned recipes (METHODS.md §32): their scorer reads weights trained here for SmolLM2-135M
+"""The learned recipes (METHODS.md §32, §49): their scorer reads weights trained here for SmolLM2-135M
 (``kvcompile train kvzap``), shipped in ``kvcompile/weights`` and pinned by SHA-256, so new weights need a new
 version."""
 
@@ -11,12 +11,21 @@ _KVZAP = ("the surrogate reads each head's held value and key (its rotary-pair n
           "cache holds none); a linear model per (layer, KV head) fitted by AdamW (kvpress: ridge per layer) on "
           "this library's KVzip scores (no instruction, one chunk; kvpress: KVzip+) of offline contexts; KVzip's "
           "4 sinks kept")
+_KVPOP_SHA = "e231e3e4f0632921e65c7961793b7076464a542ac8a18e7bd670f000793a10a5"
 _DMS_ARGS = {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128}
 
 LEARNED = [
     Recipe("kvzap", "kvzap", "global-topk", {"weights": "smollm2-135m", "sha256": _KVZAP_SHA},
            trained_for="smollm2-135m",
            source="https://arxiv.org/abs/2601.07891 (kvpress KVzapPress)", provenance="peer", inferred=_KVZAP),
+    Recipe("kvpop", "kvpop", "uniform", {"weights": "smollm2-135m", "sha256": _KVPOP_SHA}, trained_for="smollm2-135m",
+           source="https://arxiv.org/abs/2607.05061 (KVpop, METHODS.md §49: read through summaries, code not found)",
+           provenance="abstract",
+           inferred="the stateless scorer only (not the delayed, recurrent one); it reads what the cache holds of a "
+           "token (KVzap's features: value and key norms), linear per (layer, KV head); its target, keep iff the "
+           "queries 32 or more positions later pay the token top-quarter attention mass, learned with a "
+           "cross-entropy weighted toward the keep boundary (the paper's loss form is not known); the newest 32 and "
+           "4 sinks kept; every head evicted to the same budget"),
     Recipe("dms", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
            provenance="peer", inferred=_KVZAP + "; prefill only (no decode-time FIFO); the budget caps what the "
            "threshold keeps (kvpress: the threshold alone decides); tau -4 from kvpress's README, not tuned here"),

@@ -2,7 +2,8 @@
 
 ``train("kvzap", model, tokenizer, name="smollm2-135m")`` collects KVzip targets (``train.kvzap``), fits the
 surrogate (``train.loop``), measures it against its own random initialisation on held-out contexts, and writes
-``kvzap-<name>.safetensors`` + its JSON card where the ``kvzap`` recipe finds them (``methods.learned``). The run
+``kvzap-<name>.safetensors`` + its JSON card where the ``kvzap`` recipe finds them (``methods.learned``);
+``"kvpop"`` does the same with KVpop's keep/drop labels from future attention mass (``train.kvpop``). The run
 folder keeps the collected data, the checkpoint a rerun resumes from, and the loss curve.
 """
 
@@ -10,25 +11,45 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..methods import learned
+from .kvpop import auc, kvpop_examples, weighted_bce
 from .kvzap import contexts, kvzip_examples, mse, spearman, surrogate
 from .loop import Schedule, fit, plot_losses
 
-METHODS = ("kvzap",)
+
+@dataclass(frozen=True)
+class Method:
+    """What one learned scorer trains on: ``examples(cm, texts, per_context, seed, progress)`` -> {"x": features
+    [L, Hkv, N, F], "y": targets [L, Hkv, N], ...}; ``loss(examples)`` -> the minibatch loss; ``metric(predicted,
+    y)`` on held-out examples, named ``metric_name`` in the card (higher is better)."""
+
+    examples: Callable
+    loss: Callable
+    metric: Callable
+    metric_name: str
+    target: str  # what the progress message says is collected
+
+
+METHODS = {
+    "kvzap": Method(lambda cm, t, n, s, p: dict(zip("xy", kvzip_examples(cm, t, n, s, p))),
+                    lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman", "KVzip targets (two prefills each)"),
+    "kvpop": Method(kvpop_examples, weighted_bce, auc, "held_out_auc", "future attention mass (one prefill each)"),
+}
 
 
 def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Schedule(), hidden: int = 0,
           lengths: tuple[int, ...] = (256, 512, 1024), per_length: int = 4, held_out: int = 4,
           per_context: int = 256, out: str | Path | None = None, run_dir: str | Path | None = None,
           progress: bool = True) -> dict:
-    """Train ``method`` (only ``"kvzap"`` so far) for ``model`` (a transformers causal LM or a ``CompressedModel``
-    of one) and return the weights' card. ``name`` keys the weights (``kvzap-<name>.safetensors`` in ``out``,
+    """Train ``method`` (a key of ``METHODS``) for ``model`` (a transformers causal LM or a ``CompressedModel``
+    of one) and return the weights' card. ``name`` keys the weights (``<method>-<name>.safetensors`` in ``out``,
     default ``methods.learned.trained_root()``); ``schedule`` fixes steps, batch, learning rate and the seed (data
     draws and initialisation follow it too); ``hidden`` > 0 trains the MLP form; training uses ``per_length``
     contexts of each of ``lengths`` tokens, ``per_context`` tokens of each, and ``held_out`` contexts of the
@@ -41,31 +62,37 @@ def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Sche
     out = Path(out) if out is not None else learned.trained_root()
     run_dir = Path(run_dir) if run_dir is not None else out / "runs" / f"{method}-{name}-seed{schedule.seed}"
     cm = model if isinstance(model, kvcompile.CompressedModel) else kvcompile.apply(model, budget=1.0, recipe="full")
-    data = _data(cm, tokenizer, run_dir, lengths, per_length, held_out, per_context, schedule.seed, progress)
+    spec = METHODS[method]
+    data = _data(spec, cm, tokenizer, run_dir, lengths, per_length, held_out, per_context, schedule.seed, progress)
+    train_set = {k: v for k, v in data.items() if not k.startswith("held_")}
     x, y, hx, hy = (data[k] for k in ("x", "y", "held_x", "held_y"))
     initial = surrogate(x, y, hidden, schedule.seed)
     net = surrogate(x, y, hidden, schedule.seed)
-    losses = fit(net, mse(x, y), x.shape[2], schedule, run_dir, progress)
+    losses = fit(net, spec.loss(train_set), x.shape[2], schedule, run_dir, progress)
     plot_losses(losses, run_dir / "loss.png", f"{method} on {name}")
     with torch.no_grad():
-        scores = {"trained": spearman(net(hx), hy), "random_init": spearman(initial(hx), hy)}
-        held_mse = float((net(hx) - hy).square().mean())
+        scores = {"trained": spec.metric(net(hx), hy), "random_init": spec.metric(initial(hx), hy)}
+        held_loss = float(spec.loss({k[5:]: v for k, v in data.items() if k.startswith("held_")})(
+            net, torch.arange(hx.shape[2])))
     card = {
         "method": method, "model": name, "form": f"mlp{hidden}" if hidden else "linear",
         "library_version": kvcompile.__version__, "schedule": asdict(schedule),
-        "data": {"tasks_and_prose": "train.kvzap.contexts", "lengths": list(lengths), "per_length": per_length,
+        "data": {"tasks_and_prose": "train.kvzap.contexts", "targets": spec.target, "lengths": list(lengths),
+                 "per_length": per_length,
                  "per_context": per_context, "examples": x.shape[2], "held_out_contexts": held_out,
                  "held_out_examples": hx.shape[2]},
         "tokens_seen": schedule.steps * min(schedule.batch, x.shape[2]), "initial_loss": losses[0],
         "final_loss": losses[-1],
-        "held_out_mse": held_mse, "held_out_spearman": scores,
+        "held_out_loss": held_loss, spec.metric_name: scores,
         "seconds": round(time.perf_counter() - started, 1),
     }
     return learned.save(out / f"{method}-{name}.safetensors", net.state_dict(), card)
 
 
-def _data(cm, tokenizer, run_dir: Path, lengths, per_length, held_out, per_context, seed, progress) -> dict:
-    """The training and held-out examples, collected once per run folder (collection dominates a run's time)."""
+def _data(spec: Method, cm, tokenizer, run_dir: Path, lengths, per_length, held_out, per_context, seed,
+          progress) -> dict:
+    """The training and held-out (``held_``) examples, collected once per run folder (collection dominates a run's
+    time)."""
     path, params = run_dir / "data.safetensors", [list(lengths), per_length, held_out, per_context, seed]
     if path.is_file():
         stored = json.loads(path.with_suffix(".json").read_text())
@@ -73,10 +100,10 @@ def _data(cm, tokenizer, run_dir: Path, lengths, per_length, held_out, per_conte
             raise ValueError(f"{run_dir} holds data collected with other parameters ({stored}, asked {params}): "
                              "use another run folder")
         return load_file(str(path))
-    x, y = kvzip_examples(cm, contexts(tokenizer, lengths, per_length, seed), per_context, seed, progress)
-    held = contexts(tokenizer, (max(lengths),), held_out, seed + 1000)
-    hx, hy = kvzip_examples(cm, held, per_context, seed + 1, progress)
-    data = {"x": x, "y": y, "held_x": hx, "held_y": hy}
+    data = spec.examples(cm, contexts(tokenizer, lengths, per_length, seed), per_context, seed, progress)
+    held = spec.examples(cm, contexts(tokenizer, (max(lengths),), held_out, seed + 1000), per_context, seed + 1,
+                         progress)
+    data |= {f"held_{k}": v for k, v in held.items()}
     run_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in data.items()}, str(path))
     path.with_suffix(".json").write_text(json.dumps(params))

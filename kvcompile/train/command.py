@@ -7,9 +7,9 @@ import sys
 
 
 def add_parser(sub) -> None:
-    tr = sub.add_parser("train", help="train a learned scorer (kvzap) on data generated offline; writes safetensors "
+    tr = sub.add_parser("train", help="train a learned scorer (kvzap, kvpop) on data generated offline; writes safetensors "
                         "weights + a JSON card where its recipe finds them")
-    tr.add_argument("method", choices=("kvzap",))
+    tr.add_argument("method", choices=("kvzap", "kvpop"))
     tr.add_argument("--model", default="smollm2-135m", help="a kvcompile.load_model name (also keys the weights)")
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch", type=int, default=512)
@@ -28,15 +28,15 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import kvcompile
-    from kvcompile.train import train
+    from kvcompile.train import METHODS, train
     from kvcompile.train.loop import Schedule
 
     print(f"loading {args.model}...", file=sys.stderr)
     model, tok = kvcompile.load_model(args.model)
     schedule = Schedule(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
     lengths = tuple(int(n) for n in args.lengths.split(","))
-    print(f"collecting KVzip targets on {args.per_length * len(lengths) + args.held_out} offline contexts "
-          "(the slow part: two prefills each; minutes on 2 CPU cores)...", file=sys.stderr)
+    print(f"collecting {METHODS[args.method].target} on {args.per_length * len(lengths) + args.held_out} offline "
+          "contexts (the slow part: minutes on 2 CPU cores)...", file=sys.stderr)
     card = train(args.method, model, tok, name=args.model, schedule=schedule, hidden=args.hidden, lengths=lengths,
                  per_length=args.per_length, held_out=args.held_out, per_context=args.per_context, out=args.out,
                  run_dir=args.run_dir)

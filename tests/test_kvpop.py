@@ -1,0 +1,117 @@
+"""KVpop's stateless scorer (METHODS.md §49) and its training on tiny random models: the future-attention target
+equals dense attention's column sums, labels keep the top share with weights highest at the cut, training lowers
+the loss, the recipe keeps its window and holds its budget, and budget 1.0 reproduces the model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import assert_plain_at_full_budget, byte_llama, byte_tokenizer, left_padded_batch
+
+import kvcompile
+from kvcompile.calibration import calibration_runner
+from kvcompile.observation import observe
+from kvcompile.train import train
+from kvcompile.train.kvpop import auc, future_mass, labels
+from kvcompile.train.loop import Schedule
+
+SCHEDULE = Schedule(steps=60, batch=64, lr=5e-3, seed=3, checkpoint_every=20)
+DATA = dict(lengths=(256,), per_length=3, held_out=1, per_context=64, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return byte_llama(), byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def trained(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("weights")
+    card = train("kvpop", *tiny, name="tiny", schedule=SCHEDULE, out=out, **DATA)
+    return out / "kvpop-tiny.safetensors", card
+
+
+def _recipe(path, window: int = 8) -> kvcompile.Recipe:
+    return kvcompile.Recipe("kvpop-tiny", "kvpop", "uniform", {"weights": str(path), "window": window})
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_target_is_the_column_sum_of_dense_attention_after_the_window(llama, llama_cm, window):
+    """Against the plain model's own attention weights (eager, every query): for each key j, the attention of the
+    queries at positions >= j + window, summed over them and the GQA group; blocks of 7 queries change nothing."""
+    seed = random.SystemRandom().randrange(2**31)
+    n = 40
+    ids = torch.randint(2, 90, (1, n), generator=torch.Generator().manual_seed(seed))
+    runner = calibration_runner(llama_cm, window=n)
+    runner.prefill(ids, compress=False, logits="last")
+    llama.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            attn = llama(input_ids=ids, output_attentions=True).attentions  # L x [1, Hq, T, T]
+    finally:
+        llama.set_attn_implementation("sdpa")
+    for layer, a in zip(runner.programs.layers, attn):
+        obs = observe(runner.cache, layer)
+        got = future_mass(obs, window, block=7)[0]  # [Hkv, S]
+        t, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        dense = (a[0] * (t >= j + window)).sum(1)  # [Hq, T]
+        want = dense.reshape(got.shape[0], -1, n).sum(1)
+        order = obs.positions[0].masked_fill(~obs.valid[0], n).argsort(-1)[:, :n]  # held entries, by position
+        torch.testing.assert_close(got.gather(-1, order), want, atol=1e-5, rtol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_labels_keep_the_top_share_and_weigh_the_cut_most():
+    mass = torch.tensor([[5.0, 1.0, 4.0, 3.0, 2.0, 9.0, 0.5, 7.0]])
+    candidates = torch.tensor([[True, True, True, True, True, True, True, False]])
+    label, weight = labels(mass, candidates, keep=0.5)
+    assert label.tolist() == [[1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]]  # top 3 of 7 candidates (floor 3.5)
+    assert weight[0, 7] == 0 and float(weight[0, 3]) == float(weight[0].max())  # rank 3: the first dropped
+    assert float(auc(torch.tensor([[[0.1, 0.9, 0.4, 0.8]]]), torch.tensor([[[0.0, 1.0, 0.0, 1.0]]]))) == 1.0
+    assert float(auc(torch.tensor([[[0.9, 0.1, 0.8, 0.4]]]), torch.tensor([[[0.0, 1.0, 0.0, 1.0]]]))) == 0.0
+
+
+def test_training_lowers_the_loss_and_reports_held_out_auc(trained):
+    """On the tiny random model the loss falls; whether the scorer beats its initialisation is measured where it
+    means something, on SmolLM2 (``bench/kvpop.py``, the shipped card)."""
+    _, card = trained
+    assert card["method"] == "kvpop" and card["final_loss"] < card["initial_loss"]
+    assert set(card["held_out_auc"]) == {"trained", "random_init"}
+    assert all(0 <= v <= 1 for v in card["held_out_auc"].values())
+
+
+def test_the_recipe_keeps_its_window_and_holds_its_budget(tiny, trained):
+    model, _ = tiny
+    cm = kvcompile.apply(model, budget=0.3, recipe=_recipe(trained[0]), page_size=4)
+    ids, mask = left_padded_batch([200, 150], total=200)
+    cm.prefill(ids, mask)
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["bytes_held"] < stats["bytes_full"]
+    held = cm.held_positions()
+    for row, n in enumerate((200, 150)):
+        for p in range(n - 8, n):  # the protected window, in every layer and head
+            assert bool((held[:, row] == p).any(-1).all()), (row, p)
+    with pytest.raises(FileNotFoundError, match="kvcompile train kvpop --model"):
+        kvcompile.apply(model, budget=0.3, recipe=_recipe(trained[0].with_name("none.safetensors")))
+
+
+def test_budget_one_reproduces_the_model(tiny, trained):
+    model, _ = tiny
+    assert_plain_at_full_budget(model, model, _recipe(trained[0]))
+
+
+@pytest.mark.slow
+def test_the_shipped_weights_beat_their_initialisation_and_run_by_name_on_smollm2():
+    from kvcompile.eval.fidelity import prose_windows
+    from kvcompile.methods import learned
+
+    pinned = kvcompile.recipes()["kvpop"].scorer_args
+    _, card = learned.load("kvpop", pinned["weights"], pinned["sha256"])
+    assert card["model"] == "smollm2-135m"
+    assert card["held_out_auc"]["trained"] > card["held_out_auc"]["random_init"] + 0.2
+    model, tok = kvcompile.load_model("smollm2-135m")
+    cm = kvcompile.apply(model, budget=0.25, recipe="kvpop")
+    cm.prefill(torch.tensor([prose_windows(tok, 1, 600)[0]]))
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == kvcompile.recipes()["kvpop"].tag
