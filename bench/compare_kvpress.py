@@ -18,7 +18,9 @@ raw file, replacing earlier ones of that press and budget), and ``python bench/c
 table from the two raw files (step 3 also writes it when step 2's file exists). Both resume where a cut run
 stopped: step 2 skips every cell its raw file holds in full (``--redo`` runs them again), step 3 keeps each finished
 context's rows in ``kvcompile.sqlite`` (a ``kvcompile.eval.store.Store``) and builds its cells from every stored row.
-The grid of the docs (4 tasks x 10 samples x 3 budgets x 35 pairs) is about 7 CPU-hours a side at one thread. Set ``HF_HUB_OFFLINE=1`` for step 2
+The grid of the docs (4 tasks x 10 samples x 3 budgets x 35 pairs) is about 7 CPU-hours a side at one thread, more
+than one session's machine: ``save`` copies what is finished to ``bench/results/kvpress_grid`` (``--keep``), and on
+a new machine ``prompts`` then ``restore`` put it back before the steps resume. Set ``HF_HUB_OFFLINE=1`` for step 2
 where the hub cannot be reached, so a press that downloads (QFilter) fails at once instead of retrying.
 
 kvpress presses that need attention weights (ObservedAttention) run with eager attention during the context
@@ -487,9 +489,37 @@ def _merge(args) -> None:
     print("\n".join(lines))
 
 
+def _save(args) -> None:
+    """Copy what both sides finished (kvpress's raw cells, kvcompile's stored rows as JSON) to ``--keep``, so a grid
+    that outlives one machine goes on from there (``restore``)."""
+    from kvcompile.eval.store import Store
+
+    args.keep.mkdir(parents=True, exist_ok=True)
+    (args.keep / "kvpress_raw.json").write_text((args.dir / "kvpress_raw.json").read_text())
+    with Store(args.dir / "kvcompile.sqlite") as store:
+        rows = store.rows()
+    (args.keep / "kvcompile_rows.json").write_text(json.dumps(rows))
+    print(f"kept {len(json.loads((args.dir / 'kvpress_raw.json').read_text())['cells'])} kvpress cells and "
+          f"{len(rows)} kvcompile rows in {args.keep}")
+
+
+def _restore(args) -> None:
+    """Put a ``save``d grid back into ``--dir`` (after the ``prompts`` step, which regenerates the same prompts)."""
+    from kvcompile.eval.store import KEY, VALUES, Store
+
+    (args.dir / "kvpress_raw.json").write_text((args.keep / "kvpress_raw.json").read_text())
+    rows = json.loads((args.keep / "kvcompile_rows.json").read_text())
+    with Store(args.dir / "kvcompile.sqlite") as store:
+        added = store.add([{k: r[k] for k in KEY + VALUES if k in r and not k.endswith(("_version", "created"))}
+                           for r in rows])
+    print(f"restored the kvpress cells and {added} of {len(rows)} kvcompile rows into {args.dir}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step", choices=["prompts", "kvpress", "kvcompile", "merge"])
+    parser.add_argument("step", choices=["prompts", "kvpress", "kvcompile", "merge", "save", "restore"])
+    parser.add_argument("--keep", type=Path, default=Path("bench/results/kvpress_grid"),
+                        help="save / restore: where an unfinished grid is kept between machines")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="where the steps exchange files")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tasks", default="niah_single_1,passkey")
@@ -506,7 +536,8 @@ def main() -> None:
     args = parser.parse_args()
     args.budgets = [float(b) for b in args.budgets.split(",")]
     args.dir.mkdir(parents=True, exist_ok=True)
-    {"prompts": _prompts, "kvpress": _kvpress, "kvcompile": _kvcompile, "merge": _merge}[args.step](args)
+    {"prompts": _prompts, "kvpress": _kvpress, "kvcompile": _kvcompile, "merge": _merge, "save": _save,
+     "restore": _restore}[args.step](args)
 
 
 if __name__ == "__main__":
