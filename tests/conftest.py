@@ -85,6 +85,17 @@ def left_padded_batch(lengths, total: int, seed: int = 0):
     return ids.masked_fill(mask == 0, 0), mask
 
 
+
+def eager_attentions(model, ids):
+    """The plain transformers ``model``'s attention weights over ``ids`` [B, T]: L x [B, Hq, T, T] (eager attention
+    for this one call)."""
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids, output_attentions=True).attentions
+    finally:
+        model.set_attn_implementation("sdpa")
+
 def assert_plain_at_full_budget(model, captured, recipe) -> None:
     """``recipe`` at budget 1.0 reproduces ``model`` (the plain transformers model ``captured`` was applied to)."""
     import kvcompile
@@ -128,6 +139,27 @@ def assert_head_attends(out, q, q_pos, h: int, G: int, keys, values, pos, window
             scores = (q[0, h * G + i, t] @ keys.T * 0.3).masked_fill(~seen, float("-inf"))
             expect = torch.softmax(scores, -1).nan_to_num(0.0) @ values
             torch.testing.assert_close(out[0, h * G + i, t], expect, atol=tol, rtol=tol)
+
+
+TINY_SCHEDULE = dict(steps=60, batch=64, lr=5e-3, seed=3, checkpoint_every=20)
+TINY_DATA = dict(lengths=(256,), per_length=3, held_out=1, per_context=64, progress=False)
+
+
+def train_tiny(method: str, model, tokenizer, out, schedule: dict | None = None, **data):
+    """``kvcompile.train.train`` of a learned scorer on a tiny model, short (``TINY_SCHEDULE``, ``TINY_DATA``, with
+    ``schedule`` and ``data`` changes): (its weights' path, its card)."""
+    from kvcompile.train import train
+    from kvcompile.train.loop import Schedule
+
+    card = train(method, model, tokenizer, name="tiny", schedule=Schedule(**TINY_SCHEDULE | (schedule or {})), out=out,
+                 **TINY_DATA | data)
+    return out / f"{method}-tiny.safetensors", card
+
+
+@pytest.fixture(scope="session")
+def tiny_lm():
+    """(``byte_llama()``, ``byte_tokenizer()``): what the learned scorers' tests train on."""
+    return byte_llama(), byte_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -8,29 +8,16 @@ import random
 
 import pytest
 import torch
-from conftest import assert_plain_at_full_budget, byte_llama, byte_tokenizer, left_padded_batch
+from conftest import assert_plain_at_full_budget, eager_attentions, left_padded_batch, train_tiny
 
 import kvcompile
 from kvcompile.calibration import calibration_runner
 from kvcompile.observation import observe
-from kvcompile.train import train
 from kvcompile.train.kvpop import auc, future_mass, labels
-from kvcompile.train.loop import Schedule
-
-SCHEDULE = Schedule(steps=60, batch=64, lr=5e-3, seed=3, checkpoint_every=20)
-DATA = dict(lengths=(256,), per_length=3, held_out=1, per_context=64, progress=False)
-
 
 @pytest.fixture(scope="module")
-def tiny():
-    return byte_llama(), byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def trained(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("weights")
-    card = train("kvpop", *tiny, name="tiny", schedule=SCHEDULE, out=out, **DATA)
-    return out / "kvpop-tiny.safetensors", card
+def trained(tiny_lm, tmp_path_factory):
+    return train_tiny("kvpop", *tiny_lm, tmp_path_factory.mktemp("weights"))
 
 
 def _recipe(path, window: int = 8) -> kvcompile.Recipe:
@@ -46,12 +33,7 @@ def test_the_target_is_the_column_sum_of_dense_attention_after_the_window(llama,
     ids = torch.randint(2, 90, (1, n), generator=torch.Generator().manual_seed(seed))
     runner = calibration_runner(llama_cm, window=n)
     runner.prefill(ids, compress=False, logits="last")
-    llama.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            attn = llama(input_ids=ids, output_attentions=True).attentions  # L x [1, Hq, T, T]
-    finally:
-        llama.set_attn_implementation("sdpa")
+    attn = eager_attentions(llama, ids)  # L x [1, Hq, T, T]
     for layer, a in zip(runner.programs.layers, attn):
         obs = observe(runner.cache, layer)
         got = future_mass(obs, window, block=7)[0]  # [Hkv, S]
@@ -81,8 +63,8 @@ def test_training_lowers_the_loss_and_reports_held_out_auc(trained):
     assert all(0 <= v <= 1 for v in card["held_out_auc"].values())
 
 
-def test_the_recipe_keeps_its_window_and_holds_its_budget(tiny, trained):
-    model, _ = tiny
+def test_the_recipe_keeps_its_window_and_holds_its_budget(tiny_lm, trained):
+    model, _ = tiny_lm
     cm = kvcompile.apply(model, budget=0.3, recipe=_recipe(trained[0]), page_size=4)
     ids, mask = left_padded_batch([200, 150], total=200)
     cm.prefill(ids, mask)
@@ -96,8 +78,8 @@ def test_the_recipe_keeps_its_window_and_holds_its_budget(tiny, trained):
         kvcompile.apply(model, budget=0.3, recipe=_recipe(trained[0].with_name("none.safetensors")))
 
 
-def test_budget_one_reproduces_the_model(tiny, trained):
-    model, _ = tiny
+def test_budget_one_reproduces_the_model(tiny_lm, trained):
+    model, _ = tiny_lm
     assert_plain_at_full_budget(model, model, _recipe(trained[0]))
 
 

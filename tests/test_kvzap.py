@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_plain_at_full_budget, byte_llama, byte_tokenizer, left_padded_batch
+from conftest import TINY_DATA, TINY_SCHEDULE, assert_plain_at_full_budget, left_padded_batch, train_tiny
 from safetensors.torch import load_file
 
 import kvcompile
@@ -19,20 +19,12 @@ from kvcompile.train import train
 from kvcompile.train.kvzap import kvzip_examples
 from kvcompile.train.loop import Schedule, fit
 
-SCHEDULE = Schedule(steps=60, batch=64, lr=5e-3, seed=3, checkpoint_every=20)
-DATA = dict(lengths=(256,), per_length=3, held_out=1, per_context=64, progress=False)
+SCHEDULE = Schedule(**TINY_SCHEDULE)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return byte_llama(), byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def trained(tiny, tmp_path_factory):
-    out = tmp_path_factory.mktemp("weights")
-    card = train("kvzap", *tiny, name="tiny", schedule=SCHEDULE, out=out, **DATA)
-    return out / "kvzap-tiny.safetensors", card
+def trained(tiny_lm, tmp_path_factory):
+    return train_tiny("kvzap", *tiny_lm, tmp_path_factory.mktemp("weights"))
 
 
 def _recipe(path, name="kvzap", **extra) -> kvcompile.Recipe:
@@ -76,13 +68,13 @@ def test_weights_round_trip_through_safetensors(trained):
         _recipe(path, sha256="0" * 64).build()
 
 
-def test_the_same_seed_reproduces_the_weights_bitwise(tiny, trained, tmp_path):
+def test_the_same_seed_reproduces_the_weights_bitwise(tiny_lm, trained, tmp_path):
     path, _ = trained
-    train("kvzap", *tiny, name="tiny", schedule=SCHEDULE, out=tmp_path, **DATA)
+    train("kvzap", *tiny_lm, name="tiny", schedule=SCHEDULE, out=tmp_path, **TINY_DATA)
     again, first = load_file(str(tmp_path / "kvzap-tiny.safetensors")), load_file(str(path))
     assert all(torch.equal(again[k], first[k]) for k in first)
     other = Schedule(**{**SCHEDULE.__dict__, "seed": 4})
-    train("kvzap", *tiny, name="tiny", schedule=other, out=tmp_path / "other", **{**DATA, "per_length": 1})
+    train("kvzap", *tiny_lm, name="tiny", schedule=other, out=tmp_path / "other", **{**TINY_DATA, "per_length": 1})
     assert not torch.equal(load_file(str(tmp_path / "other" / "kvzap-tiny.safetensors"))["w"], first["w"])
 
 
@@ -113,8 +105,8 @@ def test_a_resumed_run_ends_where_an_unbroken_one_does(tmp_path):
 
 @pytest.mark.parametrize("name", ["kvzap", "dms"])
 @pytest.mark.parametrize("budget", [0.5, 0.2])
-def test_the_recipes_hold_their_budget(tiny, trained, name, budget):
-    model, tok = tiny
+def test_the_recipes_hold_their_budget(tiny_lm, trained, name, budget):
+    model, tok = tiny_lm
     cm = kvcompile.apply(model, budget=budget, recipe=_recipe(trained[0], name), page_size=4)
     ids, mask = left_padded_batch([200, 150], total=200)
     cm.prefill(ids, mask)
@@ -122,10 +114,10 @@ def test_the_recipes_hold_their_budget(tiny, trained, name, budget):
     assert stats["bytes_held"] <= stats["budget_bytes"] and stats["bytes_held"] < stats["bytes_full"]
 
 
-def test_missing_weights_are_refused_before_anything_runs(tiny, tmp_path, monkeypatch):
+def test_missing_weights_are_refused_before_anything_runs(tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_WEIGHTS", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="kvcompile train kvzap --model nobody"):
-        kvcompile.apply(tiny[0], budget=0.5, recipe=kvcompile.Recipe("k", "kvzap", "global-topk",
+        kvcompile.apply(tiny_lm[0], budget=0.5, recipe=kvcompile.Recipe("k", "kvzap", "global-topk",
                                                                      {"weights": "nobody"}))
 
 
@@ -134,8 +126,8 @@ def test_weights_of_another_model_are_refused(llama_cm, trained):
         kvcompile.apply(llama_cm, budget=0.5, recipe=_recipe(trained[0]))
 
 
-def test_budget_one_reproduces_the_model(tiny, trained):
-    model, _ = tiny
+def test_budget_one_reproduces_the_model(tiny_lm, trained):
+    model, _ = tiny_lm
     assert_plain_at_full_budget(model, model, _recipe(trained[0]))
 
 

@@ -8,7 +8,7 @@ import json
 import random
 
 import torch
-from conftest import byte_tokenizer
+from conftest import byte_tokenizer, eager_attentions
 
 from kvcompile.eval import ledger, sweep
 from kvcompile.eval.store import Store
@@ -60,13 +60,7 @@ def test_dropped_mass_is_the_window_attention_on_evicted_entries(byte_full):
     mass = ledger.dropped_mass(before, after)
     assert 0 < mass["dropped_mass_mean"] <= mass["dropped_mass_max"] <= 1, f"seed={seed}"
     doc = torch.randint(2, 258, (1, 160), generator=torch.Generator().manual_seed(seed))
-    model = byte_full.source
-    model.set_attn_implementation("eager")
-    try:
-        with torch.no_grad():
-            attn = model(input_ids=doc, output_attentions=True).attentions  # L x [1, Hq, T, T]
-    finally:
-        model.set_attn_implementation("sdpa")
+    attn = eager_attentions(byte_full.source, doc)  # L x [1, Hq, T, T]
     held = after.held_positions()[:, 0]  # [L, Hkv, S]
     W, lost = mass["window"], []
     for layer, a in enumerate(attn):
