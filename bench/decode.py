@@ -1,8 +1,10 @@
 """Decode ms/token and prefill + compression time against context length and batch, in one run.
 
-Compares, on the same machine and inputs: transformers with its own full cache (sdpa, DynamicCache), kvcompile at
-budget 1.0 (and again with plain ``F.linear`` projections: what ``StreamWeightsLinear`` is worth on this machine),
-and kvcompile at smaller budgets (eager, and compiled with ``--compiled``). Prefill is measured once
+Compares, on the same machine and inputs: transformers with its own full cache (sdpa, DynamicCache) and, with
+``--hf-static``, with the fastest path a transformers user would pick (a ``StaticCache`` and a compiled one-token
+forward, gpt-fast style), kvcompile at budget 1.0 (and again with plain ``F.linear`` projections: what
+``StreamWeightsLinear`` is worth on this machine), and kvcompile's ``--recipes`` (a uniform one and a ragged one,
+e.g. ``snapkv,adakv-snapkv``) at smaller budgets (eager, and compiled with ``--compiled``). Prefill is measured once
 for kvcompile (compression runs after it); each budget then restores the prefilled cache and compresses (timed).
 Then every variant decodes ``--steps`` tokens in turn, for ``--rounds`` rounds; a variant's ms/token is its median
 round, including its share of reserving pages. Writes JSON (every round) and a PNG under bench/results/.
@@ -49,6 +51,30 @@ def hf_full_cache(model, ids):
     return t_prefill, step
 
 
+def hf_static_compiled(model, ids, room):
+    """transformers' fastest decode a user would pick: a ``StaticCache`` sized for ``room`` more tokens and
+    ``torch.compile`` of the one-token forward (fixed shapes) -> (prefill seconds, one decode step); the first step
+    (compilation) is run here, untimed."""
+    from transformers import StaticCache
+
+    T = ids.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=T + room)
+    with torch.no_grad():
+        out, t_prefill = timed(lambda: model(input_ids=ids, past_key_values=cache, use_cache=True,
+                                             cache_position=torch.arange(T), logits_to_keep=1))
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=False)
+    state = {"token": out.logits[:, -1:].argmax(-1), "pos": T}
+
+    def step():
+        with torch.no_grad():
+            out = forward(input_ids=state["token"], past_key_values=cache, use_cache=True,
+                          cache_position=torch.tensor([state["pos"]]))
+        state["token"], state["pos"] = out.logits[:, -1:].argmax(-1), state["pos"] + 1
+
+    step()  # compiles
+    return t_prefill, step
+
+
 def kv_steps(cm, token, room):
     """(one decode step of ``cm``, seconds of reservation per token). Decoding reserves pages ahead (a reservation
     packs the pool: up to one copy of the cache), so each step is charged its share of reserving ``room`` tokens."""
@@ -76,8 +102,12 @@ def interleaved(steps_of, rounds, steps):
 
 
 def run(args):
+    from kvcompile.eval.sweep import grid, shared_base
+
     model, _ = kvcompile.load_model(args.model)
-    base = kvcompile.apply(model, budget=1.0, recipe=args.recipe)  # observes the recipe's queries, keeps everything
+    recipes = args.recipes.split(",")
+    base = shared_base(kvcompile.apply(model, budget=1.0, recipe="full"), grid(recipes, args.budgets))  # observes
+    # the widest window of the recipes, keeps everything
     plain = kvcompile.CompressedModel(Programs.rewrite(base.programs.captured, base.spec, stream_weights=False),
                                       base.spec, base.recipe, base.budget)  # the share of StreamWeightsLinear
     room = max(RESERVE_AHEAD, args.rounds * args.steps + 1)
@@ -87,20 +117,23 @@ def run(args):
             ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
             hf_prefill, hf_step = hf_full_cache(model, ids)
             row = {"context": ctx, "batch": batch, "hf_prefill_s": hf_prefill}
+            steps_of, reserve = {"hf": hf_step}, {"hf": 0.0}
+            if args.hf_static:
+                row["hf_static_prefill_s"], steps_of["hf_static"] = hf_static_compiled(model, ids, room + 1)
+                reserve["hf_static"] = 0.0
             base.reset()
             logits, row["kv_prefill_s"] = timed(lambda: base.prefill(ids, compress=False, logits="last"))
             token = logits[:, -1:].argmax(-1)
-            steps_of, reserve = {"hf": hf_step}, {"hf": 0.0}
             full = base.fork()
             steps_of["kv_1.0"], reserve["kv_1.0"] = kv_steps(full, token, room)
             row["kv_1.0_bytes_held"] = full.cache_stats()["bytes_held"]
             plain.prefill(ids, logits="last")  # its own prefill: other programs than the base's (not timed)
             steps_of["kv_1.0_plain_linear"], reserve["kv_1.0_plain_linear"] = kv_steps(plain, token, room)
-            for budget in args.budgets:
+            for recipe, budget in ((r, b) for r in recipes for b in args.budgets):
                 for compiled in [False, True] if args.compiled else [False]:
-                    cm = base.fork(args.recipe, budget, compile=compiled)
+                    cm = base.fork(recipe, budget, compile=compiled)
                     _, t_comp = timed(cm.compress)
-                    key = f"kv_{budget}{'_compiled' if compiled else ''}"
+                    key = f"kv_{recipe}_{budget}{'_compiled' if compiled else ''}"
                     row[f"{key}_compress_s"] = t_comp
                     row[f"{key}_bytes_held"] = cm.cache_stats()["bytes_held"]
                     steps_of[key], reserve[key] = kv_steps(cm, token, room)
@@ -115,8 +148,9 @@ def run(args):
 def table(rows) -> str:
     """Markdown table: times, and ratios against transformers' full cache measured in the same run."""
     budgets = list(dict.fromkeys(k[3 : -len("_compress_s")] for r in rows for k in r if k.endswith("_compress_s")))
+    static = "hf_static_decode_ms" in rows[0]
     head = ["context", "batch", "HF prefill s", "kv prefill s", "HF decode ms", "kv 1.0 decode ms", "HF / kv 1.0",
-            "kv 1.0 plain linear ms"]
+            "kv 1.0 plain linear ms"] + ["HF static compiled ms", "HF static / kv 1.0"] * static
     for b in budgets:
         head += [f"kv {b} decode ms", f"HF / kv {b}", f"compress {b} / kv prefill"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -124,6 +158,8 @@ def table(rows) -> str:
         cells = [r["context"], r["batch"], f"{r['hf_prefill_s']:.1f}", f"{r['kv_prefill_s']:.1f}",
                  f"{r['hf_decode_ms']:.0f}", f"{r['kv_1.0_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r['kv_1.0_decode_ms']:.2f}",
                  f"{r['kv_1.0_plain_linear_decode_ms']:.0f}"]
+        if static:
+            cells += [f"{r['hf_static_decode_ms']:.0f}", f"{r['hf_static_decode_ms'] / r['kv_1.0_decode_ms']:.2f}"]
         for b in budgets:
             cells += [f"{r[f'kv_{b}_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r[f'kv_{b}_decode_ms']:.2f}",
                       f"{r[f'kv_{b}_compress_s'] / r['kv_prefill_s']:.1%}"]
@@ -153,7 +189,10 @@ def plot(rows, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--recipe", default="snapkv")
+    p.add_argument("--recipes", default="snapkv", help="comma-separated: a uniform and a ragged recipe, e.g. "
+                   "snapkv,adakv-snapkv")
+    p.add_argument("--hf-static", action="store_true", help="also time transformers' StaticCache + compiled decode "
+                   "(compiles once per context and batch: minutes on CPU)")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25, 0.1])
@@ -168,7 +207,8 @@ def main():
             "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    Path(args.out + ".md").write_text(table(rows) + "\n")
+    Path(args.out + ".md").write_text(f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} "
+                                      f"threads\n\n" + table(rows) + "\n")
     plot(rows, args.out + ".png")
     print(table(rows))
 

@@ -46,7 +46,8 @@ def bandwidth(mib: int = 1024, repeats: int = 7) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--recipe", default="snapkv")
+    p.add_argument("--recipes", default="snapkv", help="comma-separated (bench/decode.py)")
+    p.add_argument("--hf-static", action="store_true", help="also transformers' StaticCache + compiled decode")
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--budgets", type=lambda s: [float(x) for x in s.split(",")], default=[0.25])
@@ -68,7 +69,7 @@ def main():
     for r in rows:
         variants = [k[: -len("_decode_ms")] for k in r if k.endswith("_decode_ms")]
         for v in variants:
-            kv = r["context"] * r["batch"] * token_bytes if v == "hf" else r.get(f"{v}_bytes_held",
+            kv = r["context"] * r["batch"] * token_bytes if v.startswith("hf") else r.get(f"{v}_bytes_held",
                                                                                  r.get("kv_1.0_bytes_held"))
             floor = (weights + kv) / (bw["read"] * 1e9) * 1e3
             r[f"{v}_floor_ms"] = floor
