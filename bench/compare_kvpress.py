@@ -403,8 +403,10 @@ def _kvcompile(args) -> None:
     contexts = res["timing"]["contexts"]
     prefill = res["timing"]["shared_prefill_s"] / contexts if contexts else None  # None: every context was stored
     versions = {r.name: r.version for r in recipes} | {"full": kvcompile.recipes()["full"].version}
-    ours = {}
-    for r in rows:  # this run's cells, from every stored sample of the prompts (this run's or an earlier one's)
+    ours, latest = {}, {}
+    for r in rows:  # one row per sample: a refactor's new fingerprint (same version, same results) stores it again
+        latest[(r["recipe"], r["budget"], r["task"], r["sample"], r["length"], r["seed"], r["version"])] = r
+    for r in latest.values():  # this run's cells, from every stored sample of the prompts (this run's or earlier)
         if (versions.get(r["recipe"]) != r["version"] or float(r["budget"]) not in args.budgets + [1.0]
                 or r["task"] not in data["tasks"].split(",") or r["sample"] >= data["n_samples"]
                 or (r["length"], r["seed"]) != (data["length"], data["seed"])):
