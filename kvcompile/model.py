@@ -205,8 +205,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         before them, which alone compete; the scorer still reads their queries."""
         if self.seen is None:
             raise RuntimeError("the cache is empty: call prefill first")
-        self._refuse_compressing(torch.zeros_like(self.seen), self.seen - keep_last)
         checks.keep_last(keep_last, int(self.seen.min()), self.recipe, self.scorer, self.allocator)
+        self._refuse_compressing(torch.zeros_like(self.seen), self.seen - keep_last)
         with self._changing():
             self.context_tokens = self.cache.seen - keep_last
             self._compress(keep_last)
