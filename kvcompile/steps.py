@@ -83,6 +83,8 @@ class Steps:
     def _refuse_overflowing_window(self, read: Tensor, budget_tokens: Tensor, fresh: bool) -> None:
         """Raise, before anything changes, when a format recipe's compression could not hold the budget once ``read``
         [B] more tokens are read (``compress.check_fits``)."""
+        if self.recipe.format is None:  # nothing to check: no budget is worked out for a prefill that cannot fail
+            return
         seen = read if fresh else self.seen + read.to(self.seen)
         check_fits(self.cache, self.recipe, self.scorer, self.cache.budget_bytes(self.budget, budget_tokens), seen, fresh)
 

@@ -32,6 +32,8 @@ and, since attention is linear in the values, rotates its output back once.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -227,8 +229,6 @@ def paged_decode(
     assert out.shape == q.shape and out.stride(-1) == 1
     q_pos = q_pos.contiguous()
     weighted = log_weights is not None and log_weights.shape[0] > 0
-    tq3 = stored is not None and not stored.empty and isinstance(codec_of(stored.k, stored.k_meta, D), TQ3Keys)
-    rotation = fwht(torch.eye(D, device=q.device)) if tq3 else q  # the Hadamard matrix, read by TQ3 pages only
     pools = [(k_pages, None, v_pages, None, page_pos, page_table, lengths, weighted)]
     if stored is not None and not stored.empty:
         pools.append((*stored, False))
@@ -238,6 +238,7 @@ def paged_decode(
     BLOCK_D = max(16, triton.next_power_of_2(D))
     for i, (k, k_meta, v, v_meta, pos, table, lens, lw) in enumerate(pools):
         (k_bits, k_group), (v_bits, v_group) = _layout(k, k_meta, D), _layout(v, v_meta, D)
+        rotation = _hadamard(D, q.device) if k_bits == -2 or v_bits == -3 else q  # read by TQ3 pages only
         k_meta, v_meta = (k if k_meta is None else k_meta), (v if v_meta is None else v_meta)
         pos, table, lens = (t.contiguous() for t in (pos, table, lens))
         wrap_triton(_decode_split_kernel)[(B * Hkv, max_splits)](
@@ -259,6 +260,12 @@ def paged_decode(
         HQ=Hq, D=D, MAX_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=BLOCK_D,
     )
     return out
+
+
+@functools.cache
+def _hadamard(head_dim: int, device: torch.device) -> Tensor:
+    """The orthonormal Hadamard matrix TQ3 rotates by, built once per head dim and device (not per decode step)."""
+    return fwht(torch.eye(head_dim, device=device))
 
 
 def _layout(codes: Tensor, meta: Tensor | None, head_dim: int) -> tuple[int, int]:
