@@ -12,9 +12,15 @@ from .base import Allocator, per_head_share, register_allocator
 @register_allocator("pyramid")
 @dataclass
 class Pyramid(Allocator):
-    """Layer l keeps ``window + round(top - l * (top - bottom) / (L - 1))`` tokens per head, where bottom =
-    (share - window) / beta and top = 2 (share - window) - bottom keep the average at the uniform share.
-    Falls back to the uniform share when the share is not above the window (as kvpress does)."""
+    """Layer l keeps ``window + floor(top - l * (top - bottom) / (L - 1))`` tokens per head, where bottom =
+    (share - window) / beta and top = 2 (share - window) - bottom keep the average at the uniform share: the
+    schedule of the authors' code (``PyramidKVCluster``), the window outside the pyramid. Falls back to the uniform
+    share only when the share is not above the window.
+
+    Inferred: kvpress 0.5.5's ``PyramidKVPress`` differs in two ways. It keeps SnapKV's uniform share unless
+    share / beta >= window, i.e. for every context under beta * window / (1 - compression_ratio) tokens (2,560 at
+    compression_ratio 0.75 and window 32), where it is SnapKV exactly; here the pyramid applies at every length.
+    Where it does build one, the window sits inside it (bottom = share / beta)."""
 
     beta: float = 20.0
     window: int = 64

@@ -24,7 +24,8 @@ _BUILTIN = [
            provenance="peer", inferred=_SNAPKV_WINDOW),
     Recipe(
         "pyramidkv", "snapkv", "pyramid", {"window": 32, "kernel": 7}, {"beta": 20.0, "window": 32},
-        version=2, source="https://arxiv.org/abs/2406.02069", provenance="peer", inferred=_SNAPKV_WINDOW,
+        version=2, source="https://arxiv.org/abs/2406.02069", provenance="peer",
+        inferred=_SNAPKV_WINDOW + "; a pyramid at any length (kvpress: SnapKV's budget below beta x window / budget)",
     ),
     Recipe(
         "adakv-snapkv", "snapkv", "adakv", {"window": 32, "kernel": 7}, {"alpha_safeguard": 0.2}, version=3,
