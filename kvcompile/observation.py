@@ -75,10 +75,15 @@ def observe(cache: PagedKVCache, layer: LayerSpec, gradients: Tensor | None = No
     ids = cache.token_ids.gather(1, positions.flatten(1).clamp_min(0)).view_as(positions) if cache.keep_ids else None
     return Observation(
         keys, values, positions, valid, ring.queries[layer.index], ring.positions, layer.scale, layer.window,
-        layer.index, cache.num_layers, ids, layer.weights, cache.log_weights(layer.index),
+        layer.index, cache.num_layers, ids, _weights(layer, keys.device), cache.log_weights(layer.index),
         segment_of(cache.segment_starts, int(cache.seen.max())) if cache.segment_starts.shape[1] else None,
         None if gradients is None else gradients[layer.index],
     )
+
+
+def _weights(layer: LayerSpec, device) -> dict:
+    """The layer weights a method may read, plus its RoPE inverse frequencies (``methods.rope``) when known."""
+    return layer.weights | ({"inv_freq": torch.tensor(layer.rotary, device=device)} if layer.rotary else {})
 
 
 @contextlib.contextmanager

@@ -11,21 +11,10 @@ a model's RoPE scaling (``attention_scaling``, scaled frequencies) carries over.
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
 from .cache import PagedKVCache
+from .methods.rope import rotate
 from .spec import ModelSpec
-
-
-def rotate(keys: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
-    """Post-RoPE ``keys`` [..., D] moved by ``delta`` [...] positions (transformers' rotate-half layout; the first
-    2 * len(inv_freq) channels are rotated, the rest, if any, left alone)."""
-    rot = 2 * inv_freq.shape[0]
-    angle = delta[..., None].double() * inv_freq.double()  # [..., rot / 2]
-    cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
-    x = keys[..., :rot].double()
-    half = torch.cat([-x[..., rot // 2:], x[..., : rot // 2]], -1)
-    return torch.cat([(x * cos + half * sin).to(keys.dtype), keys[..., rot:]], -1)
 
 
 def check(spec: ModelSpec, recipe, prefill_chunk: int | None) -> None:

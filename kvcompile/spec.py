@@ -11,7 +11,8 @@ from torch import nn
 @dataclass(frozen=True)
 class LayerSpec:
     """One attention layer as the cache and the methods see it: softmax ``scale``, sliding ``window`` (0 = full),
-    ``weights``: the layer's weights a method may read by name (``"o_proj"``: W_O [hidden, Hq * D], when found)."""
+    ``weights``: the layer's weights a method may read by name (``"o_proj"``: W_O [hidden, Hq * D], when found);
+    ``rotary``: its RoPE inverse frequencies (``ModelSpec.rotary``; () when unknown)."""
 
     index: int
     scale: float
@@ -20,6 +21,7 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int
     weights: dict = field(default_factory=dict, compare=False, repr=False)
+    rotary: tuple[float, ...] = field(default=(), compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class ModelSpec:
         (``passes.InsertPagedAttention``)."""
         weights = weights or [{}] * self.num_layers
         return tuple(
-            LayerSpec(i, float(s), w, self.num_q_heads, self.num_kv_heads, self.head_dim, found)
+            LayerSpec(i, float(s), w, self.num_q_heads, self.num_kv_heads, self.head_dim, found,
+                      self.rotary[i] if self.rotary else ())
             for i, (s, w, found) in enumerate(zip(scales, self.windows, weights))
         )
 

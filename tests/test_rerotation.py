@@ -10,7 +10,7 @@ from conftest import left_padded_batch, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvcompile
-from kvcompile.rerotation import rotate
+from kvcompile.methods.rope import rotate
 from kvcompile.spec import ModelSpec
 
 SEED = int(os.environ.get("KVC_SEED", torch.seed() % 2**31))

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..methods.saki import LowRankKeys, key_pca, moments, saki, topk_recall
 from ..observation import observe
-from ..rerotation import rotate
+from ..methods.rope import rotate
 from . import calibration_runner
 
 

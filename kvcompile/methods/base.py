@@ -46,7 +46,8 @@ class Observation:
     queries: [B, Hq, W, D] the layer's last W queries (post-RoPE), in ring order (query p sits in slot p mod W: read
     ``query_positions``, not the slot order); query_positions: [B, W], -1 where there was no query (short prompt,
     padding); scale: the layer's softmax scale; window: its sliding window (0 = none); token_ids, weights: what the
-    ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them);
+    ``ContextTokens`` and ``LayerWeights`` sources supply (None / empty unless the method declares them), and in
+    ``weights["inv_freq"]`` the layer's RoPE inverse frequencies whenever kvcompile can read them (``methods.rope``);
     log_weights: [B, Hkv, S] each entry's log-weight (``cache.weights``; None: every entry is one token);
     segments: [B, P] the segment index of every position read (P = the most any row read; ``Segments``; None when
     the caller gave no segments: one segment); query_gradients: [B, W] per window slot, the norm of the gradient of

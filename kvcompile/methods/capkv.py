@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from .base import Observation, register_scorer
 from .jacap import Jacap, weighted_leverage
+from .rope import future_rotation, pre_rope
 
 
 @register_scorer("cappress")
@@ -21,24 +22,29 @@ class CapKV(Jacap):
     ``CapPress`` (cosine, max shift and u = v are kvpress's departures from the paper). Jacap, the same leverage
     with a softmax-sensitivity weight, supplies the sinks, the GQA mean and the query window.
 
-    Inferred: kvpress's anchor is the mean of the prompt's pre-RoPE queries after the sinks, rotated by the RoPE
-    matrix averaged over the next 512 positions. The cache holds post-RoPE queries and does not know the rotary
-    frequencies, so mu is the mean of the last ``window`` observed queries after the sinks: their own rotations
-    average over the last ``window`` positions instead of the next 512."""
+    The anchor mu is, as in kvpress, the mean of the prompt's queries before RoPE after the sinks, moved by the RoPE
+    rotation averaged over the ``n_future_positions`` positions after the prompt.
+
+    Inferred: kvpress averages every prompt query; the observation ring holds the last ``window``, so the mean is
+    over those. On a model whose rotary frequencies kvcompile cannot read, mu is the plain mean of the post-RoPE
+    window queries (version 2's behaviour on every model)."""
 
     tau: float = 5.0
     epsilon: float = 1e-6
+    n_future_positions: int = 512
 
     def __post_init__(self):
         super().__post_init__()
-        if self.epsilon < 0:
-            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+        if self.epsilon < 0 or self.n_future_positions < 1:
+            raise ValueError(f"need epsilon >= 0 and n_future_positions >= 1, got {self.epsilon}, "
+                             f"{self.n_future_positions}")
 
     def _capacity(self, obs: Observation):
         """[B, Hq, S] w_j * v_j' A^-1 v_j per query head (0 off the scored tokens)."""
-        q = obs.queries.float()  # [B, Hq, W, D]
+        q = pre_rope(obs, obs.queries.float(), obs.query_positions[:, None])  # [B, Hq, W, D]
         after_sinks = (obs.query_positions >= self.n_sink)[:, None, :, None].float()
         mu = (q * after_sinks).sum(2) / after_sinks.sum(2).clamp_min(1)  # [B, Hq, D]
+        mu = torch.einsum("bed,bhd->bhe", future_rotation(obs, self.n_future_positions).float(), mu)
         G = q.shape[1] // obs.keys.shape[1]
         keys = obs.keys.float().repeat_interleave(G, 1)  # [B, Hq, S, D]
         values = obs.values.float().repeat_interleave(G, 1)

@@ -10,6 +10,7 @@ from torch import Tensor
 import torch.nn.functional as F
 
 from .base import Observation, Scorer, pool_groups, protect, register_scorer
+from .rope import pre_rope
 
 
 @register_scorer("compactor")
@@ -23,7 +24,8 @@ class Compactor(Scorer):
     key centring, the chunks (which start after the first sinks), the attention's softmax or queries, the
     smoothing or the z-score statistics. Defaults follow kvpress's ``CompactorPress``.
 
-    Inferred: (1) the paper's leverage is over pre-RoPE keys; kvcompile holds post-RoPE keys and uses those.
+    The leverage is over the keys before RoPE, as in the paper and kvpress (rotated back by their positions; as held
+    on a model whose rotary frequencies kvcompile cannot read). Inferred: (1) version 3 used the post-RoPE keys.
     (2) kvpress sets blending to the compression ratio, which a scorer does not know; ``blending`` is fixed (0.35
     is kvpress's fallback). (3) z-scores are per head (kvpress normalises over the whole layer)."""
 
@@ -60,23 +62,24 @@ class Compactor(Scorer):
                                    query_positions=torch.where(q_sink | (qp < 0), -1, qp - self.sinks_start))
         return core, sinks
 
-    def _blend(self, attention, core: Observation, sinks: Tensor):
+    def _blend(self, attention, core: Observation, sinks: Tensor, keys: Tensor):
         G = attention.shape[1] // core.keys.shape[1]
         valid = core.valid.repeat_interleave(G, 1).float()
         pool = lambda x: F.avg_pool1d(x, 3, stride=1, padding=1, count_include_pad=False)  # noqa: E731
         smooth = pool(attention * valid) / pool(valid).clamp_min(1e-12)  # the mean over free neighbours only
         g = torch.Generator(device=core.keys.device).manual_seed(self.seed + core.layer)
-        lev = leverage(core.keys, core.valid, self.sketch, g).repeat_interleave(G, 1)
+        lev = leverage(keys, core.valid, self.sketch, g).repeat_interleave(G, 1)
         scores = self.blending * zscore(lev, valid.bool()) + zscore(smooth, valid.bool())
         return protect(scores, sinks.repeat_interleave(G, 1))
 
     def score_per_query_head(self, obs: Observation):
         core, sinks = self._without_sinks(obs)
-        return self._blend(self._attention(core), core, sinks)
+        return self._blend(self._attention(core), core, sinks, pre_rope(obs, obs.keys, obs.positions))
 
     def score(self, obs: Observation):
         core, sinks = self._without_sinks(obs)
-        return self._blend(pool_groups(self._attention(core), obs.keys.shape[1]), core, sinks)
+        return self._blend(pool_groups(self._attention(core), obs.keys.shape[1]), core, sinks,
+                           pre_rope(obs, obs.keys, obs.positions))
 
 
 def leverage(keys, valid, sketch: int, generator: torch.Generator | None = None):

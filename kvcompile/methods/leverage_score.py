@@ -8,6 +8,7 @@ import torch
 
 from .base import Observation, Scorer, register_scorer
 from .compactor import zscore, leverage
+from .rope import pre_rope
 
 
 @register_scorer("leverage-score")
@@ -17,7 +18,8 @@ class LeverageScore(Scorer):
     ``sketch``; z = z-score over the head's held tokens. Attention-free. The same component as ``compactor``'s,
     without its sinks. Algorithm and defaults follow kvpress's ``LeverageScorePress``.
 
-    Inferred: (1) kvpress recomputes pre-RoPE keys; the cache holds post-RoPE keys and those are used. (2) The
+    The keys are taken before RoPE, as kvpress recomputes them (rotated back by their positions; as held on a model
+    whose rotary frequencies kvcompile cannot read). Inferred: (1) version 2 used the post-RoPE keys. (2) The
     sketch is drawn from ``seed`` + layer, once per head for every batch row (kvpress: fresh per call, batch row
     and head), so scores are reproducible and a row's do not depend on the others. (3) The Gram matrix gets a
     1e-9 relative ridge (kvpress: Cholesky jitter from 1e-2), so leverage is exact where the sketch spans the
@@ -32,4 +34,4 @@ class LeverageScore(Scorer):
 
     def score(self, obs: Observation):
         g = torch.Generator(device=obs.keys.device).manual_seed(self.seed + obs.layer)
-        return zscore(leverage(obs.keys, obs.valid, self.sketch, g), obs.valid)
+        return zscore(leverage(pre_rope(obs, obs.keys, obs.positions), obs.valid, self.sketch, g), obs.valid)

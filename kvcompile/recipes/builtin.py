@@ -8,7 +8,7 @@ from .page_formats import FORMAT_RECIPES
 from .recipe import Recipe
 
 _SNAPKV_WINDOW = "window 32 and a max-pool of 7 instead of kvpress's 64 and average of 5"
-_POST_ROPE_STATS = "query mean and covariance from the last 512 post-RoPE queries; kvpress: pre-RoPE ones, rotated"
+_POST_ROPE_STATS = "query mean and covariance from the last 512 queries (rotated back before RoPE); kvpress: every one"
 _CRITICAL = "the L1 norm of v for that of W_o v, as scorers see no weights; the two stages merged into one ranking"
 _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts every 16 steps, recent 32, 4 sinks"
 
@@ -44,13 +44,13 @@ _BUILTIN = [
            inferred="the paper's block-wise eviction only with apply(prefill_chunk=...)"),
     Recipe(
         "expected-attention", "expected-attention",
-        version=2, scorer_args={"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0},
+        version=3, scorer_args={"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0},
         source="https://arxiv.org/abs/2510.00636", provenance="peer", inferred=_POST_ROPE_STATS,
     ),
     Recipe(
         "adakv-expected-attention", "expected-attention", "adakv",
         {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.01},
-        {"alpha_safeguard": 0.2}, version=3,
+        {"alpha_safeguard": 0.2}, version=4,
         source="https://arxiv.org/abs/2510.00636 (kvpress leaderboard pairing: AdaKV, epsilon 1e-2)",
         provenance="peer", inferred=_POST_ROPE_STATS,
     ),
@@ -70,8 +70,8 @@ _BUILTIN = [
     Recipe(
         "compactor", "compactor",
         scorer_args={"sinks_start": 8, "sinks_end": 4, "chunk": 256, "sketch": 48, "blending": 0.35, "window": 8192},
-        version=3, source="https://arxiv.org/abs/2507.08143", provenance="peer",
-        inferred="post-RoPE keys; blending fixed at 0.35, where kvpress uses the compression ratio; z-scores per head",
+        version=4, source="https://arxiv.org/abs/2507.08143", provenance="peer",
+        inferred="blending fixed at 0.35, where kvpress uses the compression ratio; z-scores per head",
     ),
     Recipe(
         "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, version=4,
@@ -116,9 +116,9 @@ _BUILTIN = [
                  "each head's held tokens (kvpress: unscaled, padding leaks mass, z over the layer)",
     ),
     Recipe(
-        "leverage-score", "leverage-score", version=2, scorer_args={"sketch": 48, "seed": 0},
+        "leverage-score", "leverage-score", version=3, scorer_args={"sketch": 48, "seed": 0},
         source="https://arxiv.org/abs/2507.08143 (Compactor's leverage component)", provenance="peer",
-        inferred="post-RoPE keys; a seeded sketch per layer and head; a 1e-9 ridge, not 1e-2 Cholesky jitter; "
+        inferred="a seeded sketch per layer and head; a 1e-9 ridge, not 1e-2 Cholesky jitter; "
                  "z-scores per head",
     ),
     Recipe(
@@ -129,10 +129,10 @@ _BUILTIN = [
         inferred="windows in each head's held order; a window of zero energy scores 0 instead of NaN",
     ),
     Recipe(
-        "cappress", "cappress", version=2, scorer_args={"tau": 5.0, "window": 512, "n_sink": 4, "epsilon": 1e-6},
+        "cappress", "cappress", version=3,
+        scorer_args={"tau": 5.0, "window": 512, "n_sink": 4, "epsilon": 1e-6},
         source="https://arxiv.org/abs/2604.25975 (kvpress CapPress)", provenance="peer",
-        inferred="query anchor = mean of the last 512 post-RoPE queries; kvpress: pre-RoPE ones, rotated by the "
-                 "RoPE averaged over the next 512 positions",
+        inferred="query anchor = mean of the last 512 queries (rotated back before RoPE); kvpress: of every one",
     ),
     Recipe("qfilter", "qfilter", version=2, scorer_args={"window": 512},
            source="https://arxiv.org/abs/2503.02812 (per-prompt filters until calibration.qfilter.calibrate fills "
@@ -153,7 +153,7 @@ _BUILTIN = [
            inferred="the second pass is a context reconstruction (the context alone, its tokens dropped after); the "
                     "one-token floor per layer comes out of the budget, not on top of it"),
     Recipe("lukv", "expected-attention", "lukv",
-           {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.02},
+           {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.02}, version=2,
            source="https://arxiv.org/abs/2602.08585 (kvpress LUKVPress; uniform until calibration.lukv.calibrate "
                   "fills curve)", provenance="peer",
            inferred="the curve generation (future-attention utility of each head's ranking, greedy over concave "
