@@ -22,13 +22,18 @@ def rotate(x: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
 
 
 def mean_rotation(inv_freq: Tensor, start: Tensor, n: int, dim: int) -> Tensor:
-    """[B, dim, dim] the RoPE rotation matrix averaged over positions start[b] .. start[b] + n - 1: R x is the mean of
-    ``x`` rotated to each of those positions (kvpress's model of where the next ``n`` queries will sit)."""
-    eye = torch.eye(dim, dtype=torch.float64, device=inv_freq.device)
+    """[B, dim, dim] the RoPE rotation averaged over positions start[b] .. start[b] + n - 1: R x is the mean of
+    ``x`` rotated to each of those positions (kvpress's model of where the next ``n`` queries will sit). Each
+    frequency turns one channel pair (i, i + rot / 2) by [[cos, -sin], [sin, cos]], so the mean is that block
+    with cos and sin averaged over the positions; channels past the rotated ones stay."""
+    h = inv_freq.shape[0]
     steps = start.double()[:, None] + torch.arange(n, dtype=torch.float64, device=inv_freq.device)  # [B, n]
-    B = steps.shape[0]
-    columns = rotate(eye.expand(B, n, dim, dim), steps[:, :, None].expand(B, n, dim), inv_freq)  # [b, t, j] = R(t) e_j
-    return columns.mean(1).transpose(-1, -2)
+    angle = steps[:, :, None] * inv_freq.double()  # [B, n, h]
+    cos, sin = angle.cos().mean(1), angle.sin().mean(1)  # [B, h]
+    R = torch.eye(dim, dtype=torch.float64, device=inv_freq.device).repeat(start.shape[0], 1, 1)
+    i = torch.arange(h, device=inv_freq.device)
+    R[:, i, i], R[:, i + h, i + h], R[:, i, i + h], R[:, i + h, i] = cos, cos, -sin, sin
+    return R
 
 
 def pre_rope(obs, x: Tensor, positions: Tensor) -> Tensor:
