@@ -256,6 +256,18 @@ def _kvpress(args) -> None:
         finally:
             model.config._attn_implementation = saved
 
+    def read(ids, cache, start, **kwargs):
+        """The model over ``ids`` at positions start.., after ``cache``. A press that leaves the layers holding
+        different lengths (PerLayerCompression, KVCompose) breaks the attention mask of a multi-token step
+        (transformers builds one mask from one layer's length), so then the tokens go one at a time: the same
+        attention, one step per token."""
+        if len({cache.get_seq_length(layer) for layer in range(n_layers)}) == 1:
+            pos = torch.arange(start, start + len(ids))[None]
+            return model(torch.tensor([ids]), past_key_values=cache, position_ids=pos, **kwargs).logits[0]
+        steps = [model(torch.tensor([[t]]), past_key_values=cache, position_ids=torch.tensor([[start + i]])).logits[0]
+                 for i, t in enumerate(ids)]
+        return torch.cat(steps)[-1:] if kwargs.get("logits_to_keep") == 1 else torch.cat(steps)
+
     def run(prompt, press, implementation="sdpa"):
         """(answer text, reference logits [T, V], bytes held, seconds) for one prompt under ``press`` (None: full)."""
         ctx = torch.tensor([prompt["context"]])
@@ -270,17 +282,14 @@ def _kvpress(args) -> None:
                 model.model(input_ids=ctx, past_key_values=cache)  # by keyword, as kvpress's pipeline (KVzip reads it)
             held = _held_bytes(model, cache)
             ref_cache = copy.deepcopy(cache)
-            pos = torch.arange(n, n + len(prompt["question"]))[None]
-            out = model(torch.tensor([prompt["question"]]), past_key_values=cache, position_ids=pos, logits_to_keep=1)
-            tokens, p = [int(out.logits[0, -1].argmax())], int(pos[0, -1]) + 1
+            out = read(prompt["question"], cache, n, logits_to_keep=1)
+            tokens, p = [int(out[-1].argmax())], n + len(prompt["question"])
             while tokens[-1] not in eos and len(tokens) < prompt["max_new_tokens"]:
                 out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=torch.tensor([[p]]))
                 tokens.append(int(out.logits[0, -1].argmax()))
                 p += 1
             seconds = time.perf_counter() - t0
-            ref = prompt["reference"]
-            pos = torch.arange(n, n + len(ref))[None]
-            logits = model(torch.tensor([ref]), past_key_values=ref_cache, position_ids=pos).logits[0, :-1]
+            logits = read(prompt["reference"], ref_cache, n)[:-1]
         return tok.decode(tokens, skip_special_tokens=True), logits, held, seconds
 
     t_start = time.perf_counter()
