@@ -21,7 +21,8 @@ context's rows in ``kvcompile.sqlite`` (a ``kvcompile.eval.store.Store``) and bu
 The grid of the docs (4 tasks x 10 samples x 3 budgets x 35 pairs) is about 7 CPU-hours a side at one thread, more
 than one session's machine: ``save`` copies what is finished to ``bench/results/kvpress_grid`` (``--keep``), and on
 a new machine ``prompts`` then ``restore`` put it back before the steps resume. Set ``HF_HUB_OFFLINE=1`` for step 2
-where the hub cannot be reached, so a press that downloads (QFilter) fails at once instead of retrying.
+where the hub cannot be reached, so a press that downloads (DuoAttention's dataset) fails at once instead of retrying;
+Q-Filters reads the filters the prompts step calibrated on this model (`qfilters.json`) on both sides.
 
 kvpress presses that need attention weights (ObservedAttention) run with eager attention during the context
 prefill, as kvpress requires; everything else runs with sdpa. Every prompt starts from a model without head masks:
@@ -53,7 +54,7 @@ PAIRS = [  # (kvpress press, kvcompile recipe); kvpress hyperparameters are set 
     ("LeverageScore", "leverage-score"),
     ("CURPress", "cur"),
     ("CapPress", "cappress"),
-    ("QFilter", "qfilter"),
+    ("QFilter", "qfilter-calibrated"),
     ("Compactor", "compactor"),
     ("CriticalKV(SnapKV)", "criticalkv"),
     ("KVzip", "kvzip"),
@@ -87,11 +88,17 @@ def _ramp(n_layers: int) -> list[float]:
     return [0.5 + layer / max(n_layers - 1, 1) for layer in range(n_layers)]
 
 
-def _recipe(name: str, n_layers: int):
-    """The kvcompile recipe of a pair: by name, or built for the compositions whose parameters kvpress also sets."""
+def _recipe(name: str, n_layers: int, folder: Path):
+    """The kvcompile recipe of a pair: by name, or built for the compositions whose parameters kvpress also sets,
+    and Q-Filters with the filters both sides read (``qfilters.json``, written by the prompts step)."""
+    import dataclasses
+
     import kvcompile
     from kvcompile.recipes import compose
 
+    if name == "qfilter-calibrated":
+        filters = json.loads((folder / "qfilters.json").read_text())["filters"]
+        return dataclasses.replace(kvcompile.get_recipe("qfilter"), name=name, scorer_args={"filters": filters})
     if name == "per-layer+snapkv":  # kept shares in proportion to the ramp, rescaled to the budget
         return compose("per-layer", "snapkv", compression_ratios=[1 - s / 1.5 for s in _ramp(n_layers)])
     if name == "composed+snapkv":
@@ -132,6 +139,19 @@ def _prompts(args) -> None:
     (args.dir / "prompts.json").write_text(json.dumps({"model": args.model, "length": args.length, "seed": args.seed,
                                                        "n_samples": args.n_samples, "tasks": args.tasks,
                                                        "prompts": rows}))
+    _qfilters(cm, tok, args.dir)
+
+
+def _qfilters(cm, tok, folder: Path) -> None:
+    """Q-Filters calibrated on this model's own queries over offline prose (8 windows of 512 tokens), for both
+    sides: kvpress downloads published filters, which cannot be reached here (and none exist for SmolLM2)."""
+    import torch
+
+    from kvcompile.calibration.qfilter import calibrate
+    from kvcompile.eval.fidelity import prose_windows
+
+    samples = [torch.tensor([w]) for w in prose_windows(tok, 8, 512)]
+    (folder / "qfilters.json").write_text(json.dumps({"filters": calibrate(cm, samples)}))
 
 
 def _press(name: str, ratio: float, n_layers: int):
@@ -162,7 +182,7 @@ def _press(name: str, ratio: float, n_layers: int):
                                         local_window_size=16),
         "CapPress": lambda: kp.CapPress(compression_ratio=ratio, tau=5.0, n_future_positions=512, n_sink=4,
                                         epsilon=1e-6),
-        "QFilter": lambda: kp.QFilterPress(compression_ratio=ratio),  # downloads published filters from the hub
+        "QFilter": lambda: kp.QFilterPress(compression_ratio=ratio),  # the filters of qfilters.json (_kvpress)
         "Compactor": lambda: kp.CompactorPress(compression_ratio=ratio, sink_size_start=8, sink_size_end=4,
                                                chunk_size=256, sketch_dimension=48, blending=0.35),
         "CriticalKV(SnapKV)": lambda: kp.CriticalKVPress(snap(), epsilon=1e-4, first_stage_ratio=0.5),
@@ -241,6 +261,11 @@ def _kvpress(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     data = json.loads((args.dir / "prompts.json").read_text())
+    if (args.dir / "qfilters.json").exists():  # kvpress scores -<f, k>, kvcompile +<u, k>: f = -u
+        import kvpress
+
+        filters = -torch.tensor(json.loads((args.dir / "qfilters.json").read_text())["filters"])
+        kvpress.QFilterPress.load_q_filters = staticmethod(lambda model_name: filters)
     model = AutoModelForCausalLM.from_pretrained(args.dir / "model", attn_implementation="sdpa").eval()
     tok = AutoTokenizer.from_pretrained(args.dir / "model")
     eos = model.generation_config.eos_token_id
@@ -400,7 +425,7 @@ def _kvcompile(args) -> None:
     recipes, chunked, missing = [], [], []
     for _, name in pairs:
         try:
-            recipe = _recipe(name, model.config.num_hidden_layers)
+            recipe = _recipe(name, model.config.num_hidden_layers, args.dir)
             (chunked if recipe.prefill_chunk else recipes).append(recipe)
         except (KeyError, ValueError):
             missing.append(name)
