@@ -4,7 +4,8 @@ Compares, on the same machine and inputs: transformers with its own full cache (
 ``--hf-static``, with the fastest path a transformers user would pick (a ``StaticCache`` and a compiled one-token
 forward, gpt-fast style), kvcompile at budget 1.0 (and again with plain ``F.linear`` projections: what
 ``StreamWeightsLinear`` is worth on this machine), and kvcompile's ``--recipes`` (a uniform one and a ragged one,
-e.g. ``snapkv,adakv-snapkv``) at smaller budgets (eager, and compiled with ``--compiled``). Prefill is measured once
+e.g. ``snapkv,adakv-snapkv``) at smaller budgets (eager; compiled with ``--compiled``; and with ``--flex`` eager
+programs whose decode attention is flex_attention compiled by Inductor: ``KVCOMPILE_DECODE_BACKEND=flex``). Prefill is measured once
 for kvcompile (compression runs after it); each budget then restores the prefilled cache and compresses (timed).
 Then every variant decodes ``--steps`` tokens in turn, for ``--rounds`` rounds; a variant's ms/token is its median
 round, including its share of reserving pages. Writes JSON (every round) and a PNG under bench/results/.
@@ -15,7 +16,9 @@ round, including its share of reserving pages. Writes JSON (every round) and a P
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -75,14 +78,30 @@ def hf_static_compiled(model, ids, room):
     return t_prefill, step
 
 
-def kv_steps(cm, token, room):
+@contextlib.contextmanager
+def decode_backend(name: str | None):
+    """``KVCOMPILE_DECODE_BACKEND`` set to ``name`` (None: as it was) around a decode step."""
+    saved = os.environ.get("KVCOMPILE_DECODE_BACKEND")
+    if name is not None:
+        os.environ["KVCOMPILE_DECODE_BACKEND"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("KVCOMPILE_DECODE_BACKEND", None)
+        if saved is not None:
+            os.environ["KVCOMPILE_DECODE_BACKEND"] = saved
+
+
+def kv_steps(cm, token, room, backend: str | None = None):
     """(one decode step of ``cm``, seconds of reservation per token). Decoding reserves pages ahead (a reservation
-    packs the pool: up to one copy of the cache), so each step is charged its share of reserving ``room`` tokens."""
+    packs the pool: up to one copy of the cache), so each step is charged its share of reserving ``room`` tokens.
+    ``backend``: the decode attention backend of its steps (``KVCOMPILE_DECODE_BACKEND``)."""
     _, t_reserve = timed(lambda: cm.cache.reserve(room))
     state = {"token": token}
 
     def step():
-        state["token"] = cm.decode(state["token"])[:, -1].argmax(-1, keepdim=True)
+        with decode_backend(backend):
+            state["token"] = cm.decode(state["token"])[:, -1].argmax(-1, keepdim=True)
 
     step()  # warm-up (and compilation, when compiled)
     return step, t_reserve / room
@@ -130,13 +149,13 @@ def run(args):
             plain.prefill(ids, logits="last")  # its own prefill: other programs than the base's (not timed)
             steps_of["kv_1.0_plain_linear"], reserve["kv_1.0_plain_linear"] = kv_steps(plain, token, room)
             for recipe, budget in ((r, b) for r in recipes for b in args.budgets):
-                for compiled in [False, True] if args.compiled else [False]:
-                    cm = base.fork(recipe, budget, compile=compiled)
+                for mode in ["eager"] + ["compiled"] * args.compiled + ["flex"] * args.flex:
+                    cm = base.fork(recipe, budget, compile=mode == "compiled")
                     _, t_comp = timed(cm.compress)
-                    key = f"kv_{recipe}_{budget}{'_compiled' if compiled else ''}"
+                    key = f"kv_{recipe}_{budget}{'' if mode == 'eager' else '_' + mode}"
                     row[f"{key}_compress_s"] = t_comp
                     row[f"{key}_bytes_held"] = cm.cache_stats()["bytes_held"]
-                    steps_of[key], reserve[key] = kv_steps(cm, token, room)
+                    steps_of[key], reserve[key] = kv_steps(cm, token, room, "flex" if mode == "flex" else None)
             for name, times in interleaved(steps_of, args.rounds, args.steps).items():
                 row[f"{name}_rounds_ms"] = [(t + reserve[name]) * 1e3 for t in times]
                 row[f"{name}_decode_ms"] = statistics.median(row[f"{name}_rounds_ms"])
@@ -199,6 +218,7 @@ def main():
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per variant per round")
     p.add_argument("--rounds", type=int, default=3, help="rounds; the table reports each variant's median round")
     p.add_argument("--compiled", action="store_true", help="also time the compiled decode (slow to compile on CPU)")
+    p.add_argument("--flex", action="store_true", help="also time eager programs over the flex_attention backend")
     p.add_argument("--out", default=str(RESULTS / "decode"))
     args = p.parse_args()
     torch.manual_seed(0)

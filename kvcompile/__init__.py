@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import checks, observation
+from . import checks, observation, ops
 from .artifact import export, load
 from .budget import Budget
 from .model import CompressedModel
@@ -75,6 +75,7 @@ def apply(
         observation.check(scorer.sources(), f"recipe {recipe.name!r}")
     if recipe.scorer is None and recipe.format is None and not budget.is_full:
         raise ValueError(f"recipe {recipe.name!r} keeps every token; use budget=1.0 or pick a compressing recipe")
+    ops.check_decode_backend(recipe.format, compile)
     checks.positive_int("page_size", page_size)
     checks.positive_int("prefill_chunk", prefill_chunk, allow_none=True)
     prefill_chunk = recipe.prefill_chunk if prefill_chunk is None else prefill_chunk

@@ -22,7 +22,9 @@ kernels of ``kvcompile.kernels``.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import os
 
 import torch
 from torch import Tensor
@@ -30,6 +32,50 @@ from torch import Tensor
 from .kernels import reference
 
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
+DECODE_BACKENDS = ("auto", "reference", "flex")
+
+
+def decode_backend() -> str:
+    """The decode attention backend, from ``KVCOMPILE_DECODE_BACKEND``: ``auto`` (default: the Triton kernel on
+    CUDA, the PyTorch reference elsewhere), ``reference``, or ``flex`` (``kernels.flex``: flex_attention compiled
+    by Inductor, its C++ template on CPU; eager programs over model-dtype pages only). Read at every decode step
+    of an eager program, and when a compiled one is traced."""
+    name = os.environ.get("KVCOMPILE_DECODE_BACKEND", "auto")
+    if name not in DECODE_BACKENDS:
+        raise ValueError(f"KVCOMPILE_DECODE_BACKEND={name!r}: pick one of {', '.join(DECODE_BACKENDS)}")
+    return name
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention through Inductor, compiled once per process (and per shape): eager flex_attention is a
+    reference that materialises every score."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_decode(args: tuple, stored, page_lw: Tensor) -> Tensor:
+    from .kernels.flex import flex_paged_decode
+
+    return flex_paged_decode(*args, attend=_compiled_flex(), log_weights=page_lw)
+
+
+def check_decode_backend(page_format: str | None, compiled) -> None:
+    """Refuse, at ``apply``, a decode backend that cannot serve these programs (``decode_backend``'s limits)."""
+    if decode_backend() != "flex":
+        return
+    if page_format is not None:
+        raise ValueError(f"KVCOMPILE_DECODE_BACKEND=flex reads model-dtype pages; this recipe stores {page_format!r} "
+                         "pages (use the auto or reference backend)")
+    if compiled:
+        raise ValueError("KVCOMPILE_DECODE_BACKEND=flex runs in eager programs (apply(..., compile=False)): its block "
+                         "mask is built from the page table's values at every step")
+
+
+def _refuse_flex(stored) -> None:
+    """The same limits at a decode step (the variable may have changed since ``apply``), before anything is written."""
+    check_decode_backend(None if stored.empty else "a page format's", torch.compiler.is_compiling())
 
 
 def _observe(obs_q: Tensor, layer: int, q: Tensor, ring_slots: Tensor, decode: bool) -> None:
@@ -62,6 +108,9 @@ def _attend(
     scale, window, packed, decode,
 ):
     stored = reference.FormatPages(*fmt[:5], fmt[5][layer], fmt[6][layer])
+    backend = decode_backend() if decode else "auto"
+    if backend == "flex":
+        _refuse_flex(stored)
     padded = decode or bool((q_pos < 0).any())  # prefill is opaque, so it may read values; decode is traced
     reference.write_tokens(k_pages, v_pages, page_pos, k, v, q_pos, slots[layer], padded)
     _observe(obs_q, layer, q, ring_slots, decode)
@@ -74,7 +123,9 @@ def _attend(
         else:
             out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
         return out.contiguous()
-    if _on_gpu(q):
+    if backend == "flex":
+        return _flex_decode(args, stored, page_lw)
+    if backend == "auto" and _on_gpu(q):
         # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
 

@@ -65,9 +65,11 @@ def page_block_mask(page_table: Tensor, lengths: Tensor, page_pos: Tensor, q_pos
 
 def flex_paged_decode(q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor, page_pos: Tensor,
                       page_table: Tensor, lengths: Tensor, scale: float, window: int = 0,
-                      attend=flex_attention) -> Tensor:
+                      attend=flex_attention, log_weights: Tensor | None = None) -> Tensor:
     """One decode query per row, q [B, Hq, 1, D], over each KV head's pages -> [B, Hq, 1, D] (zeros for an empty
-    head), as ``reference.paged_attention`` computes it. ``attend``: ``flex_attention`` or a compiled version."""
+    head), as ``reference.paged_attention`` computes it. ``attend``: ``flex_attention`` or a compiled version.
+    ``log_weights`` [N, P] (entries standing for several tokens; empty or None: plain tokens) enter as a
+    ``score_mod`` adding each pool row's log-weight to its logit."""
     B, Hq, _, D = q.shape
     N, P = page_pos.shape
     rows = -(-N * P // BLOCK) * BLOCK  # flex reads whole blocks: a pool that ends mid-block is padded (a copy)
@@ -76,7 +78,12 @@ def flex_paged_decode(q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor
     if rows > N * P:
         keys, values = (torch.nn.functional.pad(x, (0, 0, 0, rows - N * P)) for x in (keys, values))
     keys, values = keys.view(1, 1, rows, D), values.view(1, 1, rows, D)
+    weighted = log_weights is not None and log_weights.shape[0] > 0
+    lw = torch.nn.functional.pad(log_weights.reshape(-1).float(), (0, rows - N * P)) if weighted else None
+
+    def add_log_weight(score, b, h, q_idx, kv_idx):
+        return score + lw[kv_idx]
     out = attend(q.reshape(1, B * Hq, 1, D), keys.to(q.dtype), values.to(q.dtype), block_mask=mask, scale=scale,
-                 enable_gqa=True)
+                 score_mod=add_log_weight if weighted else None, enable_gqa=True)
     empty = (lengths == 0).repeat_interleave(Hq // lengths.shape[1], 1)  # a head that holds nothing attends to zeros
     return out.reshape(B, Hq, 1, D).masked_fill(empty[..., None, None], 0.0)
