@@ -9,6 +9,9 @@
    averaging 4k): achieved GB/s = bytes of kept K/V (+ page ids) / kernel time, against the device's measured
    copy bandwidth; and the step time against the bytes-over-bandwidth floor. Then the same tokens stored as
    fp8, int8 and int4 pages: step time and the bytes it reads, against the bf16 pages.
+3. The flex_attention backend (``KVCOMPILE_DECODE_BACKEND=flex``: ``kernels.flex`` compiled by Inductor, its Triton
+   template here): bf16 against the reference (plain, sliding window, weighted entries), then its step time on the
+   shape of 2, block mask included, against the Triton kernel's. ``--no-flex`` skips it (each shape compiles).
 
 Prints one table; ``--out`` also writes it as JSON. Run: ``python bench/gpu_check.py --out bench/results/gpu_check``
 """
@@ -23,6 +26,7 @@ import torch
 
 from kvcompile.cache import PagedKVCache
 from kvcompile.kernels import reference
+from kvcompile.kernels.flex import flex_paged_decode
 from kvcompile.kernels.formats import FORMATS, encode_pool
 from kvcompile.plan import Plan
 from kvcompile.kernels.triton_compact import compact
@@ -63,7 +67,13 @@ def as_format(cache, name):
     return stored, torch.zeros_like(cache.lengths[0])
 
 
-def check_kernels(device, gen):
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def check_kernels(device, gen, flex):
     rows = []
     tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
     for dtype in tol:
@@ -83,6 +93,12 @@ def check_kernels(device, gen):
                        - reference.paged_attention(*args, log_weights=lw).float()).abs().max().item()
                 rows.append({"check": f"decode weighted {dtype} G={G} window={window}", "max_err": err,
                              "ok": err <= tol[dtype]})
+                if flex is not None and dtype == torch.bfloat16 and G == 4:
+                    for weights in (None, lw) if window == 0 else (None,):
+                        got = flex_paged_decode(*args, attend=flex, log_weights=weights).float()
+                        err = (got - reference.paged_attention(*args, log_weights=weights).float()).abs().max().item()
+                        rows.append({"check": f"flex decode{' weighted' if weights is not None else ''} bf16 "
+                                     f"window={window}", "max_err": err, "ok": err <= tol[dtype]})
         cache = random_cache(2, 4, zipf_lengths(8, 300, gen).view(2, 4), 16, 128, dtype, gen, device)
         q = torch.randn(2, 16, 1, 128, generator=gen).to(device, dtype)
         for name in FORMATS if dtype == torch.float32 else ():  # ThinK's and TQ3's pages included
@@ -107,7 +123,7 @@ def check_kernels(device, gen):
     return rows
 
 
-def bench_decode(device, gen):
+def bench_decode(device, gen, flex):
     B, Hkv, G, D, P, mean = 8, 8, 4, 128, 16, 4096
     lengths = zipf_lengths(B * Hkv, mean, gen).view(B, Hkv)
     cache = random_cache(B, Hkv, lengths, P, D, torch.bfloat16, gen, device)
@@ -125,6 +141,12 @@ def bench_decode(device, gen):
         kv_bytes = tokens * (row_bytes + 4)  # K + V as stored (scales included), page_pos int32
         rows[name] = {"decode_us": t * 1e6, "kv_bytes": kv_bytes, "achieved_GBps": kv_bytes / t / 1e9,
                       "fraction_of_copy_bw": kv_bytes / t / copy_bw, "floor_us": kv_bytes / copy_bw * 1e6}
+    if flex is not None:  # its block mask is rebuilt from the page table each call: timed with it, without a graph
+        args = (q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], cache.lengths[0], D**-0.5, 0)
+        t = _event_time(lambda: flex_paged_decode(*args, attend=flex))
+        kv_bytes = tokens * (2 * D * 2 + 4)
+        rows["bf16 flex"] = {"decode_us": t * 1e6, "kv_bytes": kv_bytes, "achieved_GBps": kv_bytes / t / 1e9,
+                             "fraction_of_copy_bw": kv_bytes / t / copy_bw, "floor_us": kv_bytes / copy_bw * 1e6}
     base = rows["bf16"]["decode_us"]
     for row in rows.values():
         row["speedup_vs_bf16"] = base / row["decode_us"]
@@ -149,6 +171,19 @@ def _graph_time(run) -> float:
     return start.elapsed_time(end) / 100 / 1e3
 
 
+def _event_time(run) -> float:
+    """Seconds per call of ``run`` (no graph), after warm-up."""
+    for _ in range(3):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 20 / 1e3
+
+
 def _copy_bandwidth(device) -> float:
     """Bytes per second of a 1 GiB device copy (read + write)."""
     buf = torch.empty(2**30, dtype=torch.uint8, device=device)
@@ -165,17 +200,20 @@ def _copy_bandwidth(device) -> float:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
+    p.add_argument("--no-flex", action="store_true", help="skip the flex_attention backend (it compiles per shape)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA device")
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(torch.seed() % 2**31)
-    result = {"device": torch.cuda.get_device_name(), "checks": check_kernels(device, gen), "decode": bench_decode(device, gen)}
+    flex = None if args.no_flex else _flex()
+    result = {"device": torch.cuda.get_device_name(), "checks": check_kernels(device, gen, flex),
+              "decode": bench_decode(device, gen, flex)}
     for row in result["checks"]:
         print(f"{row['check']:<40} max_err={row['max_err']:.2e} {'ok' if row['ok'] else 'FAIL'}")
     decode = result["decode"]
     print(f"decode {decode['shape']}, copy bandwidth {decode['copy_GBps']:.0f} GB/s")
     for name, row in decode["formats"].items():
-        print(f"  {name:<5} " + "  ".join(f"{k}={v:.4g}" for k, v in row.items()))
+        print(f"  {name:<9} " + "  ".join(f"{k}={v:.4g}" for k, v in row.items()))
     if args.out:
         with open(args.out + ".json", "w") as f:
             json.dump(result, f, indent=1)
