@@ -526,12 +526,13 @@ def _merge(args) -> None:
 
 
 def _save(args) -> None:
-    """Copy what both sides finished (kvpress's raw cells, kvcompile's stored rows as JSON) to ``--keep``, so a grid
-    that outlives one machine goes on from there (``restore``)."""
+    """Copy what both sides finished (kvpress's raw cells, kvcompile's stored rows as JSON) and the Q-Filters to
+    ``--keep``, so a grid that outlives one machine goes on from there (``restore``)."""
     from kvcompile.eval.store import Store
 
     args.keep.mkdir(parents=True, exist_ok=True)
-    (args.keep / "kvpress_raw.json").write_text((args.dir / "kvpress_raw.json").read_text())
+    for name in ("kvpress_raw.json", "qfilters.json"):  # the filters both sides' QFilter cells read
+        (args.keep / name).write_text((args.dir / name).read_text())
     with Store(args.dir / "kvcompile.sqlite") as store:
         rows = store.rows()
     (args.keep / "kvcompile_rows.json").write_text(json.dumps(rows))
@@ -543,7 +544,8 @@ def _restore(args) -> None:
     """Put a ``save``d grid back into ``--dir`` (after the ``prompts`` step, which regenerates the same prompts)."""
     from kvcompile.eval.store import KEY, VALUES, Store
 
-    (args.dir / "kvpress_raw.json").write_text((args.keep / "kvpress_raw.json").read_text())
+    for name in ("kvpress_raw.json", "qfilters.json"):  # the saved filters, not a recalibration, for the QFilter cells
+        (args.dir / name).write_text((args.keep / name).read_text())
     rows = json.loads((args.keep / "kvcompile_rows.json").read_text())
     with Store(args.dir / "kvcompile.sqlite") as store:
         added = store.add([{k: r[k] for k in KEY + VALUES if k in r and not k.endswith(("_version", "created"))}
