@@ -260,10 +260,10 @@ def _kvpress(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+    import kvpress
+
     data = json.loads((args.dir / "prompts.json").read_text())
     if (args.dir / "qfilters.json").exists():  # kvpress scores -<f, k>, kvcompile +<u, k>: f = -u
-        import kvpress
-
         filters = -torch.tensor(json.loads((args.dir / "qfilters.json").read_text())["filters"])
         kvpress.QFilterPress.load_q_filters = staticmethod(lambda model_name: filters)
     model = AutoModelForCausalLM.from_pretrained(args.dir / "model", attn_implementation="sdpa").eval()
@@ -307,6 +307,8 @@ def _kvpress(args) -> None:
                 model.model(input_ids=ctx, past_key_values=cache)  # by keyword, as kvpress's pipeline (KVzip reads it)
             held = _held_bytes(model, cache)
             ref_cache = copy.deepcopy(cache)
+            if isinstance(press, kvpress.KeyRerotationPress):  # as kvpress's pipeline: the kept keys now sit at
+                n = cache.get_seq_length()  # 0..m-1, so the question starts at m, not at the context's length
             out = read(prompt["question"], cache, n, logits_to_keep=1)
             tokens, p = [int(out[-1].argmax())], n + len(prompt["question"])
             while tokens[-1] not in eos and len(tokens) < prompt["max_new_tokens"]:
