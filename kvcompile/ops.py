@@ -55,7 +55,7 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_decode(args: tuple, stored, page_lw: Tensor) -> Tensor:
+def _flex_decode(args: tuple, page_lw: Tensor) -> Tensor:
     from .kernels.flex import flex_paged_decode
 
     return flex_paged_decode(*args, attend=_compiled_flex(), log_weights=page_lw)
@@ -124,7 +124,7 @@ def _attend(
             out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
         return out.contiguous()
     if backend == "flex":
-        return _flex_decode(args, stored, page_lw)
+        return _flex_decode(args, page_lw)
     if backend == "auto" and _on_gpu(q):
         # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
