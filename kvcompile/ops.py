@@ -61,9 +61,10 @@ def _flex_decode(args: tuple, page_lw: Tensor) -> Tensor:
     return flex_paged_decode(*args, attend=_compiled_flex(), log_weights=page_lw)
 
 
-def check_decode_backend(page_format: str | None, compiled) -> None:
-    """Refuse, at ``apply``, a decode backend that cannot serve these programs (``decode_backend``'s limits)."""
-    if decode_backend() != "flex":
+def check_decode_backend(page_format: str | None, compiled, backend: str | None = None) -> None:
+    """Refuse, at ``apply``, a decode backend (``backend``, else ``decode_backend()``) that cannot serve these
+    programs."""
+    if (backend or decode_backend()) != "flex":
         return
     if page_format is not None:
         raise ValueError(f"KVCOMPILE_DECODE_BACKEND=flex reads model-dtype pages; this recipe stores {page_format!r} "
@@ -75,7 +76,7 @@ def check_decode_backend(page_format: str | None, compiled) -> None:
 
 def _refuse_flex(stored) -> None:
     """The same limits at a decode step (the variable may have changed since ``apply``), before anything is written."""
-    check_decode_backend(None if stored.empty else "a page format's", torch.compiler.is_compiling())
+    check_decode_backend(None if stored.empty else "a page format's", torch.compiler.is_compiling(), "flex")
 
 
 def _observe(obs_q: Tensor, layer: int, q: Tensor, ring_slots: Tensor, decode: bool) -> None:

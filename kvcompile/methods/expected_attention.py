@@ -23,7 +23,7 @@ class ExpectedAttention(Scorer):
 
     Inferred: kvpress takes the statistics over every prompt query; the observation ring holds the last
     ``window``, so these are over those (rotated back by their positions). On a model whose rotary frequencies
-    kvcompile cannot read, the post-RoPE queries are used as they are, with no future rotation (version 1's
+    kvcompile cannot read, the post-RoPE queries are used as they are, with no future rotation (version 2's
     behaviour on every model: their spread averages the rotation over the last ``window`` positions instead)."""
 
     window: int = 512
