@@ -434,7 +434,8 @@ def _kvcompile(args) -> None:
     t0 = time.perf_counter()
     with Store(args.dir / "kvcompile.sqlite") as store:  # a cut run keeps every context it finished
         res = sweep.run(cm, tok, recipes, args.budgets, data["tasks"].split(","), n_samples=data["n_samples"],
-                        length=data["length"], seed=data["seed"], kl=True, store=store, model=data["model"])
+                        length=data["length"], seed=data["seed"], kl=True, store=store, model=data["model"],
+                        ledger_mass=False)  # the table reads no ledger: a quarter of the sweep's time saved
         rows = store.rows()
     contexts = res["timing"]["contexts"]
     prefill = res["timing"]["shared_prefill_s"] / contexts if contexts else None  # None: every context was stored

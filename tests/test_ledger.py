@@ -87,3 +87,15 @@ def test_every_sweep_row_carries_its_ledger_in_the_store(byte_full, tmp_path):
     full, snap = (json.loads(r["ledger"]) for r in rows)
     assert full["bounded"] == {} and full["certified"]["within_budget"] is None
     assert snap["certified"]["within_budget"] is True and 0 < snap["bounded"]["dropped_mass_max"] <= 1
+
+
+def test_a_sweep_without_the_mass_gives_the_same_cells_and_bounds_nothing(byte_full):
+    args = (byte_full, byte_tokenizer(), ["snapkv"], [0.25], ["passkey"])
+    kwargs = {"n_samples": 1, "length": 400, "progress": False, "kl": True}
+    with_mass = sweep.run(*args, **kwargs)["samples"]
+    without = sweep.run(*args, **kwargs, ledger_mass=False)["samples"]
+    for a, b in zip(with_mass, without):
+        assert {k: a[k] for k in ("score", "bytes_held", "kl_mean", "top1")} == \
+               {k: b[k] for k in ("score", "bytes_held", "kl_mean", "top1")}
+    assert json.loads(with_mass[1]["ledger"])["bounded"]["dropped_mass_max"] > 0
+    assert json.loads(without[1]["ledger"])["bounded"] == {}

@@ -58,6 +58,7 @@ def run(
     length: int = 1024,
     seed: int = 0,
     kl: bool = False,
+    ledger_mass: bool = True,
     measure_separate: int = 0,
     progress: bool = True,
     store: Store | None = None,
@@ -71,7 +72,9 @@ def run(
     ``cm`` is any ``CompressedModel`` of the model (it is re-targeted, never modified). The full-budget cell is
     always run first (it is the reference for KL). ``measure_separate``: for that many contexts, also run every
     cell as a separate prefill + compress + decode, to time the shared prefill against K separate runs and check
-    that both give the same answer.
+    that both give the same answer. ``ledger_mass``: measure each compressed cell's dropped attention mass for its
+    ledger (one more attention pass over the observed window, about a quarter of a sweep's time); off, the ledger
+    records it as not measured.
 
     ``store``: each context's rows are added to it as soon as its cells are done, and a context whose cells
     are all stored already (with KL if ``kl``) is skipped; ``model`` names the model in the rows' key. ``rows``
@@ -80,7 +83,8 @@ def run(
     if store is not None and not model:
         raise ValueError("a store keys every row by model: pass run(..., store=store, model='smollm2-135m')")
     task_objs = [get_task(t) for t in tasks]
-    sweeper = Sweeper(cm, tokenizer, grid(recipes, budgets), length=length, seed=seed, kl=kl, model=model)
+    sweeper = Sweeper(cm, tokenizer, grid(recipes, budgets), length=length, seed=seed, kl=kl, model=model,
+                      ledger_mass=ledger_mass)
     cells = sweeper.cells
     timing = new_timing()
     bar = tqdm(total=len(task_objs) * n_samples * len(cells), disable=not progress, desc="sweep")
@@ -119,9 +123,11 @@ class Sweeper:
     ``eval.ray_sweep``): one shared prefill, then every cell forked from it. ``cm``: any ``CompressedModel`` of
     the model."""
 
-    def __init__(self, cm: CompressedModel, tokenizer, cells: list, *, length: int, seed: int, kl: bool, model: str):
+    def __init__(self, cm: CompressedModel, tokenizer, cells: list, *, length: int, seed: int, kl: bool, model: str,
+                 ledger_mass: bool = True):
         cells = [(anchors.resolve(r, tokenizer), b) for r, b in cells]  # TA's anchors as this tokenizer's ids
         self.tokenizer, self.cells, self.length, self.seed, self.kl, self.model = tokenizer, cells, length, seed, kl, model
+        self.ledger_mass = ledger_mass
         self.base = shared_base(cm, cells)
 
     def keys(self, task: str, index: int) -> list[dict]:
@@ -148,7 +154,7 @@ class Sweeper:
         for i, ((recipe, budget), key) in enumerate(zip(self.cells, self.keys(task_name, index))):
             if i == 0 or not stored[i]:
                 row = _cell(self.base, recipe, budget, sample, question, self.tokenizer, task.max_new_tokens, self.kl,
-                            reference)
+                            reference, self.ledger_mass)
                 if "tokens" in row:
                     answers[(recipe.name, str(budget))] = row.pop("tokens")
                 rows.append(dict.fromkeys(VALUES) | key | row)
@@ -188,9 +194,10 @@ def result(samples: list, timing: dict, cells: list, budgets, tasks, n_samples, 
     return {"rows": report.cells(samples), "samples": samples, "timing": timing, "config": config}
 
 
-def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl, reference) -> dict:
+def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl, reference, mass=True) -> dict:
     """One cell on one context: fork the shared cache, compress, answer; the store's value columns plus the
-    answer's ``tokens``. ``reference`` keeps the first cell's (the full cell's) answer and logits for KL."""
+    answer's ``tokens``. ``reference`` keeps the first cell's (the full cell's) answer and logits for KL; ``mass``:
+    measure the ledger's dropped mass."""
     t0 = time.perf_counter()
     try:
         model = base.fork(recipe, budget)
@@ -204,7 +211,7 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
                "score": sample.score(tokenizer.decode(tokens, skip_special_tokens=True)),
                "bytes_held": stats["bytes_held"], "bytes_allocated": stats["bytes_allocated"],
                "bytes_full": stats["bytes_full"]}
-        bounded = None if before is None else _bounded(before, model)  # not timed, nor the UOR
+        bounded = _bounded(before, model) if before is not None and mass else None  # not timed, nor the UOR
         row["ledger"] = ledger.dumps(ledger.ledger(stats, budget, bounded))
         if before is not None and recipe.scorer:  # at the share of the context's tokens the cell kept
             row["uor"] = held_uor(before, share)[0]
