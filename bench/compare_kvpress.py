@@ -544,12 +544,29 @@ def _save(args) -> None:
 
 
 def _restore(args) -> None:
-    """Put a ``save``d grid back into ``--dir`` (after the ``prompts`` step, which regenerates the same prompts)."""
+    """Put a ``save``d grid back into ``--dir`` (after the ``prompts`` step, which regenerates the same prompts).
+    A row of a recipe at its current version is stored under its current fingerprint: a fingerprint re-recorded at
+    the same version is a refactor with identical results (``kvcompile.recipes.fingerprint``), so the sweep need
+    not run the cell again."""
+    import kvcompile
     from kvcompile.eval.store import KEY, VALUES, Store
 
     for name in ("kvpress_raw.json", "qfilters.json"):  # the saved filters, not a recalibration, for the QFilter cells
         (args.dir / name).write_text((args.keep / name).read_text())
+    n_layers = json.loads((args.dir / "model" / "config.json").read_text())["num_hidden_layers"]
+    current = {"full": kvcompile.get_recipe("full")}
+    for _, name in PAIRS:
+        try:
+            recipe = _recipe(name, n_layers, args.dir)
+        except (KeyError, ValueError):  # not in kvcompile: no rows
+            continue
+        current[recipe.name] = recipe
+    current = {name: (r.version, r.fingerprint) for name, r in current.items()}
     rows = json.loads((args.keep / "kvcompile_rows.json").read_text())
+    for r in rows:
+        version, fingerprint = current.get(r["recipe"], (None, None))
+        if r["version"] == version:
+            r["fingerprint"] = fingerprint
     with Store(args.dir / "kvcompile.sqlite") as store:
         added = store.add([{k: r[k] for k in KEY + VALUES if k in r and not k.endswith(("_version", "created"))}
                            for r in rows])

@@ -130,7 +130,7 @@ def summarize(label, cap, n_prompt, kl, hits, same, held, seconds, stats):
         "top1": sum(hits) / len(hits),
         "peak_bytes_held": stats["peak_bytes_held"],
         "final_bytes_held": stats["bytes_held"],
-        "bytes_reserved": stats["bytes_reserved"],
+        "bytes_allocated": stats["bytes_allocated"],
         "held": held,
         "kl": kl,
     }

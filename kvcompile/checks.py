@@ -106,7 +106,7 @@ def early_stop(stop, draft) -> None:
 def scorer_fits(scorer, spec) -> None:
     """A learned scorer's weights were trained for this shape of model (``check_model``); other scorers pass."""
     if hasattr(scorer, "check_model"):
-        scorer.check_model(spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        scorer.check_model(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.hidden_size)
 
 
 def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:
@@ -142,11 +142,11 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
                          f"('snapkv+{recipe.format}') or raise the budget")
 
 
-def gradient_pass(recipe, source, prefill_chunk, schedule) -> None:
-    """A scorer that reads ``Gradients`` runs the source model backward over the whole context at its one
-    compression: refuse a model without a source (a loaded artifact), chunked prefill and decode-time schedules,
-    which compress parts of a context."""
-    who = f"recipe {recipe.name!r} runs a backward pass of the source model over the context"
+def dense_pass(recipe, source, prefill_chunk, schedule) -> None:
+    """A scorer that reads ``Gradients`` or ``HiddenStates`` runs the source model densely over the whole context at
+    its one compression: refuse a model without a source (a loaded artifact), chunked prefill and decode-time
+    schedules, which compress parts of a context."""
+    who = f"recipe {recipe.name!r} runs a dense pass of the source model over the context"
     if source is None:
         raise NotImplementedError(f"{who}; a model loaded from an artifact has none: apply the recipe to the model")
     if prefill_chunk or schedule is not None:

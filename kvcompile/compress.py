@@ -28,15 +28,15 @@ from .spec import LayerSpec
 
 
 def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...], allocator: Allocator | None = None,
-              gradients: Tensor | None = None):
+              dense: dict | None = None):
     """[L, B, Hkv, S] scores, -inf where a head holds nothing (S is the longest head of any layer), and the
-    allocator's ``layer_stats`` stacked over layers (None when it needs none). ``gradients``: the ``Gradients``
-    source's norms (``observation.reconstructing``)."""
+    allocator's ``layer_stats`` stacked over layers (None when it needs none). ``dense``: what the dense passes
+    supplied (``observation.reconstructing``)."""
     S = int(cache.held().max())
     out = torch.full((*cache.lengths.shape, S), float("-inf"), device=cache.device)
     stats = []
     for layer in layers:
-        obs = observe(cache, layer, gradients)
+        obs = observe(cache, layer, dense)
         s = scorer.score(obs).float().nan_to_num(0.0, posinf=torch.finfo(torch.float32).max)
         s = s.clamp_min(-torch.finfo(torch.float32).max).masked_fill(~obs.valid, float("-inf"))
         out[layer.index, :, :, : s.shape[-1]] = s[..., :S]
@@ -160,14 +160,14 @@ WEIGHTED_STRATEGIES = frozenset({"tail-summary", "prototypes", "memory"})
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
-             recipe, apart: int = 0, seen: Tensor | None = None, gradients: Tensor | None = None) -> None:
+             recipe, apart: int = 0, seen: Tensor | None = None, dense: dict | None = None) -> None:
     """Shrink every sequence of ``cache`` to at most ``budget_bytes`` [B] bytes of K/V pages, in place, as
     ``recipe`` asks; with a page format, store what is kept in it (every token, unscored, when they all fit),
     except the ``recipe.precise_recent`` newest tokens, which stay in the model's dtype: kept first, their dtype
     bytes out of the budget, the rest of which the scorer's tokens share at the format's cost. With
     ``recipe.merge``, evicted values are folded into kept ones first (``merge_evicted``). The ``apart`` newest
     tokens (model dtype only) are no candidates: kept as they are, on top of ``budget_bytes``
-    (``CompressedModel.compress(keep_last=...)``). ``gradients``: as ``score_all`` reads them.
+    (``CompressedModel.compress(keep_last=...)``). ``dense``: as ``score_all`` reads it.
 
     A sliding-window layer's entries that no later query can see (``out_of_window`` of ``seen`` [B], the next
     position; default ``cache.seen``) go first, losslessly: they are no candidates and take nothing of the budget,
@@ -183,7 +183,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     if cache.page_format is not None and (scorer is None or bool(fits.all())):
         cache.demote(precise_recent, channels=channels, anchors=anchors)
         return
-    scores, stats = score_all(cache, scorer, layers, allocator, gradients)
+    scores, stats = score_all(cache, scorer, layers, allocator, dense)
     aside = _padded(cache.newest(apart), scores.shape[-1])
     dead = _padded(out_of_window(cache, layers, cache.seen if seen is None else seen), scores.shape[-1])
     lengths = cache.held().long() - dead.sum(-1)

@@ -56,9 +56,9 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         sources = self.scorer.sources() if self.scorer else ()
         self.reads_question = observation.reads_question(sources)  # FINCH: see ``Steps._read_prompt``
         observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
-        self.reads_gradients = observation.reads_gradients(sources)
-        if self.reads_gradients:
-            checks.gradient_pass(recipe, source, prefill_chunk, self.schedule)
+        self.reads_dense = observation.reads_dense(sources)
+        if self.reads_dense:
+            checks.dense_pass(recipe, source, prefill_chunk, self.schedule)
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                   page_size=page_size, device=device, keep_ids=observation.keeps_ids(sources),
                                   page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES)
@@ -229,22 +229,22 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         if not bool((self.cache.bytes_held() > budget).any()) and self.recipe.format is None:
             return
         seen = self.cache.seen.clone()  # the next query's position (a reconstruction prompt is appended and dropped)
-        with self.observing() as (cache, gradients):
+        with self.observing() as (cache, dense):
             compress_cache(cache, self.scorer, self.allocator, budget, self.programs.layers, self.recipe, apart, seen,
-                           gradients)
+                           dense)
             if self.recipe.rerotate_keys:
                 rerotation.rerotate(cache, self.spec)
         self._pending = []
 
     @contextlib.contextmanager
-    def observing(self, gradients: bool = True):
-        """(the cache as the scorer sees it when it compresses, the ``Gradients`` source's norms or None), with its
-        declared sources supplied (KVzip's reconstruction of the tokens read since the last compression is
-        prefilled, and dropped again on exit; KVgrad's backward pass over them, unless not ``gradients``)."""
+    def observing(self, dense: bool = True):
+        """(the cache as the scorer sees it when it compresses, what the dense passes supplied: a dict), with its
+        sources supplied (KVzip's reconstruction of the tokens read since the last compression is prefilled, and
+        dropped on exit; KVgrad's backward pass and KVzap's hidden states, unless not ``dense``)."""
         ids, real = (torch.cat(x, 1) for x in zip(*self._pending)) if self._pending else (None, None)
         rerun = lambda i, r: self._prefill_step(i, r, "prefill_last", compressing=True)  # noqa: E731
-        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source, gradients) as norms:
-            yield self.cache, norms
+        with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source, dense) as supplied:
+            yield self.cache, supplied
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

@@ -1,12 +1,13 @@
 """What a method may read at compression time, supplied through one mechanism.
 
 A method declares its sources (``methods.sources.Source``: ``Scorer.sources``); ``check`` refuses, at ``apply``, any
-source the runtime cannot supply yet (hidden states, an extra pass, gradients); ``observe`` builds a layer's
+source the runtime cannot supply yet (an extra pass with the method's own inputs); ``observe`` builds a layer's
 ``Observation`` from the cache (held keys, values and positions; the ring's queries; the token ids it logs for
 ``ContextTokens``; the caller's segments for ``Segments``) and the layer's weights (``LayerWeights``: W_O, found in
-the graph); ``reconstructing`` runs a ``Reconstruction`` source's prompt around one compression (KVzip), and with
-``Gradients`` one backward pass over the context and that prompt (KVgrad); ``reads_question`` tells ``generate`` to
-read the context unobserved and compress after the question (FINCH's ``Question``).
+the graph); ``reconstructing`` runs, around one compression, a ``Reconstruction`` source's prompt (KVzip), with
+``Gradients`` one backward pass over the context and that prompt (KVgrad), and for ``HiddenStates`` one dense
+forward pass over the context (KVzap); ``reads_question`` tells ``generate`` to read the context unobserved and
+compress after the question (FINCH's ``Question``).
 """
 
 from __future__ import annotations
@@ -18,14 +19,15 @@ from torch import Tensor, nn
 
 from .cache import PagedKVCache
 from .methods import Observation
+from .attention_inputs import attention_inputs
 from .gradients import attention_output_gradients
 from .methods.sources import (
-    ContextTokens, Gradients, LayerWeights, Question, QueryWindow, Reconstruction, Segments, Source,
+    ContextTokens, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Segments, Source,
 )
 from .segments import segment_of
 from .spec import LayerSpec
 
-SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments, Gradients)
+SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments, Gradients, HiddenStates)
 
 
 def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] = ()) -> None:
@@ -61,15 +63,17 @@ def window(sources: tuple[Source, ...]) -> int:
     return max((s.size for s in sources if isinstance(s, QueryWindow)), default=0)
 
 
-def reads_gradients(sources: tuple[Source, ...]) -> bool:
-    """Whether compression runs a backward pass over every token read (``Gradients``): the context must then be
-    read in one go, before any compression, by a model built from a source model (not a loaded artifact)."""
-    return any(isinstance(s, Gradients) for s in sources)
+def reads_dense(sources: tuple[Source, ...]) -> bool:
+    """Whether compression runs the source model densely over every token read (``Gradients``, ``HiddenStates``):
+    the context must then be read in one go, before any compression, by a model built from a source model (not a
+    loaded artifact)."""
+    return any(isinstance(s, (Gradients, HiddenStates)) for s in sources)
 
 
-def observe(cache: PagedKVCache, layer: LayerSpec, gradients: Tensor | None = None) -> Observation:
-    """Layer ``layer`` of the cache as a method sees it (dense per-head views plus the ring's queries);
-    ``gradients`` [L, B, W]: what ``reconstructing`` yields for a ``Gradients`` source."""
+def observe(cache: PagedKVCache, layer: LayerSpec, dense: dict | None = None) -> Observation:
+    """Layer ``layer`` of the cache as a method sees it (dense per-head views plus the ring's queries); ``dense``:
+    what ``reconstructing`` yields (``"gradients"`` [L, B, W], ``"hidden"`` [L, B, P, hidden])."""
+    dense = dense or {}
     keys, values, positions, valid = cache.dense(layer.index)
     ring = cache.ring
     ids = cache.token_ids.gather(1, positions.flatten(1).clamp_min(0)).view_as(positions) if cache.keep_ids else None
@@ -77,8 +81,16 @@ def observe(cache: PagedKVCache, layer: LayerSpec, gradients: Tensor | None = No
         keys, values, positions, valid, ring.queries[layer.index], ring.positions, layer.scale, layer.window,
         layer.index, cache.num_layers, ids, _weights(layer, keys.device), cache.log_weights(layer.index),
         segment_of(cache.segment_starts, int(cache.seen.max())) if cache.segment_starts.shape[1] else None,
-        None if gradients is None else gradients[layer.index],
+        dense["gradients"][layer.index] if "gradients" in dense else None,
+        _held_rows(dense["hidden"][layer.index], positions) if "hidden" in dense else None,
     )
+
+
+def _held_rows(table: Tensor, positions: Tensor) -> Tensor:
+    """[B, Hkv, S, F]: ``table`` [B, P, F] (a row per position) at each held entry's position [B, Hkv, S]."""
+    B, Hkv, S = positions.shape
+    at = positions.clamp(0, table.shape[1] - 1).reshape(B, Hkv * S, 1).expand(-1, -1, table.shape[-1])
+    return table.gather(1, at).view(B, Hkv, S, -1)
 
 
 def _weights(layer: LayerSpec, device) -> dict:
@@ -88,28 +100,32 @@ def _weights(layer: LayerSpec, device) -> dict:
 
 @contextlib.contextmanager
 def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | None, real: Tensor | None,
-                   source: nn.Module | None = None, gradients: bool = True):
-    """Around one compression: when ``scorer`` declares a ``Reconstruction``, prefill its prompt for the tokens just
-    read (``input_ids``, ``real`` [B, T]) with the ring cleared, so the window holds the prompt's queries alone;
-    afterwards drop the prompt's tokens (``PagedKVCache.drop_from``). ``prefill(ids, real)`` runs one prefill step.
-    Yields None, or with ``Gradients`` (and ``gradients``) the gradient norms [L, B, W] of the window's queries,
-    from one dense backward pass of ``source`` over ``input_ids`` (every token the cache read: checked) and the
-    prompt."""
-    if input_ids is None or scorer is None or not any(isinstance(s, Reconstruction) for s in scorer.sources()):
-        yield None
+                   source: nn.Module | None = None, dense: bool = True):
+    """Around one compression, for the tokens just read (``input_ids``, ``real`` [B, T]): with ``HiddenStates``
+    (and ``dense``), run ``source`` densely over them for each layer's attention input; when ``scorer`` declares a
+    ``Reconstruction``, prefill its prompt with the ring cleared, so the window holds the prompt's queries alone,
+    and afterwards drop the prompt's tokens (``PagedKVCache.drop_from``); ``prefill(ids, real)`` runs one prefill
+    step. Yields a dict: ``"hidden"`` [L, B, P, hidden] (``attention_inputs``), and with ``Gradients`` (and
+    ``dense``) ``"gradients"``, the gradient norms [L, B, W] of the window's queries, from one dense backward pass
+    of ``source`` over ``input_ids`` and the prompt. A dense pass replays every token the cache read: checked."""
+    sources = scorer.sources() if scorer is not None and input_ids is not None else ()
+    seen, supplied = cache.seen.clone(), {}
+    if dense and reads_dense(sources) and not torch.equal(seen, real.sum(1).to(seen)):
+        raise ValueError("a dense pass of the source model replays every token the cache read, but some were "
+                         "compressed earlier: read the prompt in one prefill, before any compression")
+    if dense and any(isinstance(s, HiddenStates) for s in sources):
+        supplied["hidden"] = attention_inputs(source, input_ids.to(cache.device), real.to(cache.device))
+    if not any(isinstance(s, Reconstruction) for s in sources):
+        yield supplied
         return
-    seen = cache.seen.clone()
     ids, mask = scorer.reconstruction_prompt(input_ids, real)
     cache.ring.clear()
     prefill(ids, mask.to(cache.device))
-    norms = None
-    if gradients and reads_gradients(scorer.sources()):
-        if not torch.equal(seen, real.sum(1).to(seen)):
-            raise ValueError("the gradient pass replays every token the cache read, but some were compressed "
-                             "earlier: read the prompt in one prefill, before any compression")
-        norms = _window_gradients(source, cache, torch.cat([input_ids, ids], 1),
-                                  torch.cat([real.bool(), mask.to(real.device).bool()], 1), real.shape[1])
-    yield norms
+    if dense and any(isinstance(s, Gradients) for s in sources):
+        supplied["gradients"] = _window_gradients(source, cache, torch.cat([input_ids, ids], 1),
+                                                  torch.cat([real.bool(), mask.to(real.device).bool()], 1),
+                                                  real.shape[1])
+    yield supplied
     cache.drop_from(seen)
 
 

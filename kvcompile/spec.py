@@ -32,6 +32,7 @@ class ModelSpec:
     whose SDPA mask is known to be causal + padding (+ sliding window) and can be rebuilt from positions.
     ``dtype``: the weights' dtype at capture. ``rotary[l]``: layer l's RoPE inverse frequencies, read from the
     model's rotary buffers (empty when the model has none the spec can read): key re-rotation needs them.
+    ``hidden_size``: the width of the hidden states (0: not declared).
     """
 
     num_layers: int
@@ -43,6 +44,7 @@ class ModelSpec:
     max_positions: int | None
     hf_causal_lm: bool
     rotary: tuple[tuple[float, ...], ...] = ()
+    hidden_size: int = 0
 
     def layers(self, scales, weights=None) -> tuple[LayerSpec, ...]:
         """One ``LayerSpec`` per layer, with the softmax scales the graph uses and the weights it found
@@ -89,7 +91,8 @@ class ModelSpec:
         if n_heads % n_kv:
             raise ValueError(f"{n_heads} query heads is not a multiple of {n_kv} KV heads")
         rotary = _rotary(model, getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers) if hf else ()
-        return cls(n_layers, n_heads, n_kv, head_dim, dtype, windows, max_pos, hf, rotary)
+        return cls(n_layers, n_heads, n_kv, head_dim, dtype, windows, max_pos, hf, rotary,
+                   getattr(cfg, "hidden_size", 0) or 0)
 
 
 def _rotary(model: nn.Module, layer_types) -> tuple[tuple[float, ...], ...]:

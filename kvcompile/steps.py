@@ -89,12 +89,12 @@ class Steps:
         check_fits(self.cache, self.recipe, self.scorer, self.cache.budget_bytes(self.budget, budget_tokens), seen, fresh)
 
     def _refuse_partial_replay(self) -> None:
-        """Raise, before anything changes, when a scorer's gradient pass (``Gradients``) could not replay every token
-        the cache holds: some were compressed before."""
-        if self.reads_gradients and self.seen is not None and not self.budget.is_full:
+        """Raise, before anything changes, when a scorer's dense pass (``Gradients``, ``HiddenStates``) could not
+        replay every token the cache holds: some were compressed before."""
+        if self.reads_dense and self.seen is not None and not self.budget.is_full:
             pending = sum((r.sum(1) for _, r in self._pending), torch.zeros_like(self.seen))
             if not torch.equal(pending.to(self.seen), self.seen):
-                raise ValueError(f"recipe {self.recipe.name!r} runs a backward pass over every token the cache read, "
+                raise ValueError(f"recipe {self.recipe.name!r} runs a dense pass over every token the cache read, "
                                  "but this cache was compressed before: reset() and read the context in one prefill")
 
     def _prefill_step(self, ids: Tensor, real: Tensor, name: str, compressing: bool) -> Tensor:

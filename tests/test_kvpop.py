@@ -4,6 +4,7 @@ the loss, the recipe keeps its window and holds its budget, and budget 1.0 repro
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -14,6 +15,8 @@ from conftest import assert_plain_at_full_budget, eager_attentions, left_padded_
 import kvcompile
 from kvcompile.calibration import calibration_runner
 from kvcompile.observation import observe
+from kvcompile.methods.decoding import LayerState
+from kvcompile.methods.kvpop import DELAY, KVpopDelayed, delayed_features, lookahead_mass
 from kvcompile.train.kvpop import auc, future_mass, labels
 
 @pytest.fixture(scope="module")
@@ -108,3 +111,93 @@ def test_the_shipped_weights_beat_their_initialisation_and_run_by_name_on_smollm
     cm.prefill(torch.tensor([prose_windows(tok, 1, 600)[0]]))
     stats = cm.cache_stats()
     assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == kvcompile.recipes()["kvpop"].tag
+
+
+@pytest.fixture(scope="module")
+def delayed(tiny_lm, tmp_path_factory):
+    return train_tiny("kvpop-delayed", *tiny_lm, tmp_path_factory.mktemp("weights"))
+
+
+def _delayed_recipe(path, stateless, every: int = 4) -> kvcompile.Recipe:
+    """The prompt ranked by the stateless scorer at prefill, the generated tokens by the delayed one."""
+    return kvcompile.Recipe("kvpop-delayed-tiny", "kvpop", "uniform", {"weights": str(stateless), "window": 8},
+                            decode={"policy": "kvpop-delayed", "every": every, "recent": 8, "sinks": 2, "prompt": True,
+                                    "args": {"weights": str(path)}})
+
+
+@pytest.mark.parametrize("delay", [1, 4])
+def test_the_lookahead_is_the_attention_of_the_next_queries(llama, llama_cm, delay):
+    """For each key j, the attention of the queries at positions j+1 .. j+delay, summed over them and the GQA
+    group, against the plain model's own attention weights; blocks of 7 queries change nothing."""
+    seed = random.SystemRandom().randrange(2**31)
+    n = 40
+    ids = torch.randint(2, 90, (1, n), generator=torch.Generator().manual_seed(seed))
+    runner = calibration_runner(llama_cm, window=n)
+    runner.prefill(ids, compress=False, logits="last")
+    for layer, a in zip(runner.programs.layers, eager_attentions(llama, ids)):
+        obs = observe(runner.cache, layer)
+        got = lookahead_mass(obs, delay, block=7)[0]
+        t, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        want = (a[0] * ((t > j) & (t <= j + delay))).sum(1).reshape(got.shape[0], -1, n).sum(1)
+        order = obs.positions[0].masked_fill(~obs.valid[0], n).argsort(-1)[:, :n]
+        torch.testing.assert_close(got.gather(-1, order), want, atol=1e-5, rtol=1e-4, msg=lambda m: f"seed={seed}: {m}")
+
+
+def test_the_delayed_scorer_trains_on_one_more_feature(trained, delayed):
+    (path, card), (stateless, _) = delayed, trained
+    assert card["method"] == "kvpop-delayed" and card["final_loss"] < card["initial_loss"]
+    assert load_file(str(path))["w"].shape[-1] == load_file(str(stateless))["w"].shape[-1] + 1
+
+
+def test_a_token_is_scored_once_when_due_and_never_before(llama_cm, tiny_lm, delayed):
+    """The policy on an observation of 40 tokens: the newest DELAY score +inf (pending), the rest the net's score
+    of their entries and lookahead; a later run with other queries leaves a fixed score where it was."""
+    model, _ = tiny_lm
+    runner = calibration_runner(kvcompile.apply(model, budget=1.0, recipe="full"), window=40)
+    runner.prefill(torch.randint(2, 200, (1, 40), generator=torch.Generator().manual_seed(0)), compress=False)
+    policy = KVpopDelayed(weights=str(delayed[0]))
+    layer = runner.programs.layers[1]
+    obs = observe(runner.cache, layer)
+    state = LayerState(torch.full(obs.valid.shape, float("nan")))
+    scores = policy.score(state, obs, obs.query_positions >= 0)
+    pending = obs.valid & (obs.positions > 39 - DELAY)
+    assert bool(scores[pending].isinf().all()) and bool(scores[obs.valid & ~pending].isfinite().all())
+    want = policy.net(delayed_features(obs.keys, obs.values, lookahead_mass(obs, DELAY)), obs.layer)
+    torch.testing.assert_close(scores[obs.valid & ~pending], want[obs.valid & ~pending])
+    fixed = scores.clone()
+    other = dataclasses.replace(obs, queries=obs.queries.flip(2))
+    assert torch.equal(policy.score(state, other, obs.query_positions >= 0)[obs.valid & ~pending],
+                       fixed[obs.valid & ~pending])
+
+
+def test_while_decoding_the_cache_holds_its_budget_and_budget_one_is_the_model(tiny_lm, trained, delayed):
+    model, _ = tiny_lm
+    recipe = _delayed_recipe(delayed[0], trained[0])
+    cm = kvcompile.apply(model, budget=48, recipe=recipe, page_size=4)
+    ids, mask = left_padded_batch([30, 24], total=30)
+    cm.generate(ids, mask, max_new_tokens=60, eos_token_id=[])
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] < stats["bytes_full"]
+    held = cm.held_positions()
+    for row, n in enumerate((30 + 59, 24 + 59)):
+        for p in range(n - 8, n):  # the recent window and the pending tokens, everywhere
+            assert bool((held[:, row] == p).any(-1).all()), (row, p)
+    with pytest.raises(FileNotFoundError, match="kvcompile train kvpop-delayed --model"):
+        kvcompile.apply(model, budget=48, recipe=_delayed_recipe(delayed[0].with_name("none.safetensors"), trained[0]))
+    assert_plain_at_full_budget(model, model, recipe)
+
+
+@pytest.mark.slow
+def test_the_shipped_delayed_weights_beat_their_initialisation_and_decode_by_name_on_smollm2():
+    from kvcompile.eval.fidelity import prose_windows
+    from kvcompile.methods import learned
+
+    pinned = kvcompile.recipes()["kvpop-delayed"].decode["args"]
+    _, card = learned.load("kvpop-delayed", pinned["weights"], pinned["sha256"])
+    assert card["model"] == "smollm2-135m"
+    assert card["held_out_auc"]["trained"] > card["held_out_auc"]["random_init"] + 0.2
+    model, tok = kvcompile.load_model("smollm2-135m")
+    cm = kvcompile.apply(model, budget=96, recipe="kvpop-delayed")
+    cm.generate(torch.tensor([prose_windows(tok, 1, 64)[0]]), max_new_tokens=80, eos_token_id=[])
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] < stats["bytes_full"]

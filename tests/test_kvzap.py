@@ -149,3 +149,76 @@ def test_the_shipped_recipes_run_by_name_on_smollm2(name):
         cm.prefill(prompt)
     stats = cm.cache_stats()
     assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == kvcompile.recipes()[name].tag
+
+
+@pytest.fixture(scope="module")
+def trained_hidden(tiny_lm, tmp_path_factory):
+    return train_tiny("kvzap-hidden", *tiny_lm, tmp_path_factory.mktemp("weights"))
+
+
+def test_the_hidden_state_form_reads_each_layers_attention_input(llama, llama_cm):
+    """Its features are the plain model's input norm of the residual stream, at the tokens the targets are for."""
+    n = 40
+    ids = torch.randint(2, 90, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    x, y = kvzip_examples(llama_cm, [ids], per_context=n, seed=0, progress=False, inputs="hidden")
+    with torch.no_grad():
+        states = llama(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for layer, block in enumerate(llama.model.layers):
+        want = block.input_layernorm(states[layer])[0, 4:]  # the 4 pinned sinks carry no target
+        for head in range(x.shape[1]):
+            torch.testing.assert_close(x[layer, head], want, atol=1e-5, rtol=1e-5)
+    assert x.shape[:3] == y.shape
+
+
+def test_the_hidden_state_form_trains_and_runs_within_its_budget(tiny_lm, trained, trained_hidden):
+    model, _ = tiny_lm
+    path, card = trained_hidden
+    assert card["method"] == "kvzap-hidden" and card["final_loss"] < card["initial_loss"]
+    assert load_file(str(path))["w"].shape[-1] == model.config.hidden_size
+    recipe = kvcompile.Recipe("kvzap-hidden-tiny", "kvzap", "global-topk",
+                              {"weights": str(path), "inputs": "hidden"})
+    cm = kvcompile.apply(model, budget=0.3, recipe=recipe, page_size=4)
+    ids, mask = left_padded_batch([200, 150], total=200)
+    cm.prefill(ids, mask)
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] < stats["bytes_full"]
+    assert_plain_at_full_budget(model, model, recipe)
+    with pytest.raises(ValueError, match="dense pass of the source model"):
+        kvcompile.apply(model, budget=0.3, recipe=recipe, prefill_chunk=64)
+    with pytest.raises(FileNotFoundError, match="kvcompile train kvzap-hidden --model"):
+        kvcompile.apply(model, budget=0.3, recipe=_recipe("none", inputs="hidden"))
+    with pytest.raises(ValueError, match="train kvzap-hidden"):  # weights of the cache-feature form
+        kvcompile.apply(model, budget=0.3, recipe=_recipe(trained[0], inputs="hidden"))
+
+
+def test_the_ridge_form_solves_its_normal_equations(tiny_lm, tmp_path):
+    """``ridge`` > 0: the weights solve X^T (X w - (y - b)) + lambda w = 0 on the normalised training features, per
+    (layer, KV head); ridge is refused where the targets are not real values (kvpop's labels) or with an MLP."""
+    path, card = train_tiny("kvzap", *tiny_lm, tmp_path, ridge=10.0)
+    assert card["form"] == "ridge10" and card["final_loss"] < card["initial_loss"]
+    net = learned.load("kvzap", str(path))[0]
+    data = load_file(str(tmp_path / "runs" / "kvzap-tiny-seed3" / "data.safetensors"))
+    xn = (data["x"] - net["mean"][:, :, None]) / net["std"][:, :, None]
+    residual = (xn * net["w"][:, :, None]).sum(-1) - (data["y"] - net["b"][..., None])
+    gradient = (xn * residual[..., None]).sum(2) + 10.0 * net["w"]
+    assert gradient.abs().max() < 1e-3 * (xn * (data["y"] - net["b"][..., None])[..., None]).sum(2).abs().max()
+    for method, extra in (("kvpop", {}), ("kvzap", {"hidden": 8})):
+        with pytest.raises(ValueError, match="ridge fits the linear form"):
+            train(method, *tiny_lm, name="tiny", ridge=1.0, out=tmp_path, **extra)
+
+
+@pytest.mark.slow
+def test_the_shipped_hidden_state_weights_beat_the_cache_features_and_run_by_name_on_smollm2():
+    from kvcompile.eval.fidelity import prose_windows
+
+    def spearman(recipe: str, trained_as: str) -> dict:
+        args = kvcompile.recipes()[recipe].scorer_args
+        return learned.load(trained_as, args["weights"], args["sha256"])[1]["held_out_spearman"]
+
+    hidden = spearman("kvzap-hidden", "kvzap-hidden")
+    assert hidden["trained"] > spearman("kvzap", "kvzap")["trained"] > hidden["random_init"] + 0.5
+    model, tok = kvcompile.load_model("smollm2-135m")
+    cm = kvcompile.apply(model, budget=0.25, recipe="kvzap-hidden")
+    cm.prefill(torch.tensor([prose_windows(tok, 1, 600)[0]]))
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == "kvzap-hidden@1"

@@ -1,5 +1,5 @@
 """Declared observation sources: what a method reads beyond keys and values is declared by the method and
-supplied by the runtime (token ids, layer weights), or refused at apply, naming the source."""
+supplied by the runtime (token ids, layer weights, hidden states), or refused at apply, naming the source."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from conftest import left_padded_batch
 
 import kvcompile
-from kvcompile.methods.base import ContextTokens, HiddenStates, LayerWeights, Scorer, register_scorer
+from kvcompile.methods.base import ContextTokens, ExtraPass, HiddenStates, LayerWeights, Scorer, register_scorer
 
 SEEN: dict = {}
 
@@ -31,8 +31,21 @@ class ReadsIdsAndWO(Scorer):
 @register_scorer("reads-hidden-states")
 @dataclass
 class ReadsHiddenStates(Scorer):
+    """Keeps the tokens whose attention input has the largest first channel; records what it was given."""
+
     def sources(self):
         return (HiddenStates(),)
+
+    def score(self, obs):
+        SEEN[("hidden", obs.layer)] = (obs.hidden, obs.positions, obs.valid)
+        return obs.hidden[..., 0]
+
+
+@register_scorer("reads-an-extra-pass")
+@dataclass
+class ReadsExtraPass(Scorer):
+    def sources(self):
+        return (ExtraPass(),)
 
     def score(self, obs):
         raise AssertionError("never called")
@@ -55,9 +68,37 @@ def test_token_ids_and_output_projection_are_supplied(llama, llama_cm):
     assert cm.cache_stats()["bytes"]["tables"] >= ids.numel() * 8, "the token log is counted"
 
 
+def test_hidden_states_are_each_layers_attention_input_at_the_held_positions(llama, llama_cm):
+    """Against the plain model: layer l's attention input is its input norm of the residual stream entering it."""
+    cm = kvcompile.apply(llama_cm, budget=0.5, recipe=kvcompile.Recipe("hidden", "reads-hidden-states"), page_size=4)
+    ids, mask = left_padded_batch([40, 29], total=40, seed=5)
+    cm.prefill(ids, mask)
+    with torch.no_grad():
+        out = llama(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp_min(0),
+                    output_hidden_states=True)
+    for layer, block in enumerate(llama.model.layers):
+        hidden, positions, valid = SEEN[("hidden", layer)]
+        want = block.input_layernorm(out.hidden_states[layer])  # [B, T, hidden]
+        for b, n in enumerate([40, 29]):
+            got = hidden[b][valid[b]]  # [held, hidden]
+            torch.testing.assert_close(got, want[b, 40 - n:][positions[b][valid[b]]], atol=1e-5, rtol=1e-5)
+    assert cm.cache_stats()["bytes_held"] <= cm.cache_stats()["budget_bytes"]
+
+
+def test_hidden_states_need_the_context_in_one_prefill(llama_cm):
+    recipe = kvcompile.Recipe("hidden", "reads-hidden-states")
+    with pytest.raises(ValueError, match="dense pass of the source model"):
+        kvcompile.apply(llama_cm, budget=0.5, recipe=recipe, prefill_chunk=16)
+    cm = kvcompile.apply(llama_cm, budget=0.5, recipe=recipe, page_size=4)
+    ids, _ = left_padded_batch([40], total=40)
+    cm.prefill(ids)
+    with pytest.raises(ValueError, match="dense pass over every token the cache read"):
+        cm.prefill(ids[:, :8])
+
+
 def test_a_source_not_supplied_yet_is_refused_at_apply(llama_cm):
-    with pytest.raises(NotImplementedError, match="reads HiddenStates, which kvcompile does not supply yet"):
-        kvcompile.apply(llama_cm, budget=0.5, recipe=kvcompile.Recipe("hidden", "reads-hidden-states"))
+    with pytest.raises(NotImplementedError, match="reads ExtraPass, which kvcompile does not supply yet"):
+        kvcompile.apply(llama_cm, budget=0.5, recipe=kvcompile.Recipe("extra", "reads-an-extra-pass"))
 
 
 def test_a_fork_that_reads_ids_needs_a_parent_that_logged_them(llama_cm):

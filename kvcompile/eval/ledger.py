@@ -36,7 +36,7 @@ def dropped_mass(before, after) -> dict:
     where it observed none (a recipe whose scorer reads no queries: ``window`` 0)."""
     held = after.held_positions().long()  # [L, B, Hkv, S]
     worst, total, count, window = None, 0.0, 0, 0
-    with before.observing(gradients=False) as (cache, _):  # KVgrad's gradients weigh queries; the mass needs none
+    with before.observing(dense=False) as (cache, _):  # KVgrad's gradients weigh queries; the mass needs none
         for layer in before.programs.layers:
             obs = observe(cache, layer)
             n = int(obs.positions.max()) + 1

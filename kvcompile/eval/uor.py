@@ -56,9 +56,9 @@ def held_uor(cm, fraction: float) -> tuple[float | None, list[float]]:
         return None, []
     context = cm.seen.clone()
     union, kept, per_layer = 0.0, 0.0, []
-    with cm.observing() as (cache, gradients):
+    with cm.observing() as (cache, dense):
         for layer in cm.programs.layers:
-            obs = observe(cache, layer, gradients)
+            obs = observe(cache, layer, dense)
             held = obs.valid & (obs.positions < context[:, None, None])  # the context, not a reconstruction
             ratio = union_overhead(cm.scorer, obs, fraction, held)
             if ratio is None:

@@ -52,7 +52,8 @@ class Observation:
     segments: [B, P] the segment index of every position read (P = the most any row read; ``Segments``; None when
     the caller gave no segments: one segment); query_gradients: [B, W] per window slot, the norm of the gradient of
     the model's output with respect to that query's attention output (the ``Gradients`` source,
-    ``kvcompile.gradients``; None unless declared).
+    ``kvcompile.gradients``; None unless declared); hidden: [B, Hkv, S, hidden] each held entry's attention input
+    (the ``HiddenStates`` source, ``kvcompile.attention_inputs``; None unless declared).
     """
 
     keys: Tensor
@@ -70,6 +71,7 @@ class Observation:
     log_weights: Tensor | None = None
     segments: Tensor | None = None
     query_gradients: Tensor | None = None
+    hidden: Tensor | None = None
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
         """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible); an

@@ -1,11 +1,14 @@
 """KVzap (METHODS.md §32, kvpress ``KVzapPress``, arXiv 2601.07891): a small per-layer model predicts, from each
 token alone, the log of the KVzip score it would get, so a cache is ranked without KVzip's second prefill.
 
-Inferred deviation (stated in the recipe): kvpress feeds the surrogate the attention input h_j (the normed hidden
-state before k_proj); the cache does not hold hidden states, so here the surrogate reads what the cache holds for
-that token and head: its value, the norms of its key's rotary pairs (the rotation by position leaves them
-unchanged: HF's rotate-half layout pairs channel i with i + D/2), and the log norms of key and value. One surrogate
-per (layer, KV head), so heads that hold different tokens (after an earlier compression) are scored alike.
+Two inputs (``KVzap.inputs``). ``"hidden"``, as kvpress: the attention input h_j (the normed hidden state before
+k_proj), the ``HiddenStates`` source; kvpress reads it from the forward it is running, here it costs one dense
+forward of the source model over the context (``kvcompile.attention_inputs``), so the context is read in one
+prefill. ``"cache"`` (inferred, the first form, still what ``dms``/``dms-decode`` read: the decode steps supply no
+hidden states): what the cache holds for that token and head: its value, the norms of its key's rotary pairs (the
+rotation by position leaves them unchanged: HF's rotate-half layout pairs channel i with i + D/2), and the log norms
+of key and value. One surrogate per (layer, KV head), so heads that hold different tokens (after an earlier
+compression) are scored alike.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from . import learned
-from .base import Observation, Scorer, protect, register_scorer
+from .base import HiddenStates, Observation, Scorer, protect, register_scorer
 
 TRAIN_HINT = "train them with `kvcompile train {method} --model {name}` (minutes on 2 CPU cores; see docs/guide.md)"
 
@@ -76,39 +79,50 @@ class KVzap(Scorer):
     """Predicted log KVzip scores from trained weights (``methods.learned``: ``weights`` names them, a model key
     such as ``"smollm2-135m"`` or a ``.safetensors`` path; ``sha256`` pins the file). No weights: refused when the
     recipe is built, never run untrained. The first ``n_sink`` tokens are kept, as KVzip keeps them. Reads no
-    queries and no extra pass: each token is scored from its own entries."""
+    queries: each token is scored from its own ``inputs`` alone ("cache": its entries; "hidden": its attention
+    input, weights ``<method>-hidden-<weights>``)."""
 
     method: ClassVar[str] = "kvzap"  # the weights' file prefix and the train command's method
     weights: str = "smollm2-135m"
     sha256: str = ""
     n_sink: int = 4
+    inputs: str = "cache"
     net: Surrogate = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.n_sink < 0:
             raise ValueError(f"{self.method}: n_sink must be >= 0, got {self.n_sink}")
-        hint = TRAIN_HINT.format(method=self.method, name=self.weights)
-        tensors, self.card = learned.load(self.method, self.weights, self.sha256, hint)
+        if self.inputs not in ("cache", "hidden"):
+            raise ValueError(f"{self.method}: inputs must be 'cache' or 'hidden', got {self.inputs!r}")
+        tensors, self.card = learned.load(self.trained, self.weights, self.sha256,
+                                          TRAIN_HINT.format(method=self.trained, name=self.weights))
         self.net = Surrogate.from_tensors(tensors)
+
+    @property
+    def trained(self) -> str:
+        """What ``kvcompile train`` calls the weights of this input form (their file prefix)."""
+        return self.method if self.inputs == "cache" else f"{self.method}-hidden"
 
     @property
     def observation_window(self) -> int:
         return 0
 
     def sources(self):
-        return ()
+        return (HiddenStates(),) if self.inputs == "hidden" else ()
 
-    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
-        """Refuse, before anything runs, weights trained for another shape of model."""
-        want = (num_layers, num_kv_heads, 3 * (head_dim // 2) + 2)
-        if self.net.shape != want:
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
+        """Refuse, before anything runs, weights trained for another shape of model (a model that does not declare
+        its hidden size is checked when the first hidden states arrive)."""
+        features = 3 * (head_dim // 2) + 2 if self.inputs == "cache" else hidden_size or self.net.shape[2]
+        if self.net.shape != (num_layers, num_kv_heads, features):
             raise ValueError(f"{self.method} weights {self.weights!r} were trained for {self.net.shape[0]} layers x "
-                             f"{self.net.shape[1]} KV heads (card: {self.card.get('model', '?')}); this model has "
-                             f"{num_layers} x {num_kv_heads} (head_dim {head_dim}): "
-                             + TRAIN_HINT.format(method=self.method, name="<model>"))
+                             f"{self.net.shape[1]} KV heads, {self.net.shape[2]} features (card: "
+                             f"{self.card.get('model', '?')}); this model has {num_layers} x {num_kv_heads}, "
+                             f"{features} {self.inputs} features: "
+                             + TRAIN_HINT.format(method=self.trained, name="<model>"))
 
     def score(self, obs: Observation) -> Tensor:
         if self.net.w.device != obs.keys.device:
             self.net.to(obs.keys.device)
-        predicted = self.net(token_features(obs.keys, obs.values), obs.layer)
-        return protect(predicted, obs.positions < self.n_sink)
+        x = token_features(obs.keys, obs.values) if self.inputs == "cache" else obs.hidden
+        return protect(self.net(x, obs.layer), obs.positions < self.n_sink)

@@ -54,7 +54,9 @@ class LayerWeights(Source):
 
 @dataclass(frozen=True)
 class HiddenStates(Source):
-    """Each layer's input hidden states for the held tokens (not supplied yet)."""
+    """Each layer's attention input (the normed hidden state its key and value projections read) for every held
+    entry: ``Observation.hidden`` [B, Hkv, S, hidden], from one dense forward pass of the source model over the
+    context (``kvcompile.attention_inputs``), so the context is read in one prefill."""
 
 
 @dataclass(frozen=True)

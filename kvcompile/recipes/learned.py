@@ -11,13 +11,23 @@ _KVZAP = ("the surrogate reads each head's held value and key (its rotary-pair n
           "cache holds none); a linear model per (layer, KV head) fitted by AdamW (kvpress: ridge per layer) on "
           "this library's KVzip scores (no instruction, one chunk; kvpress: KVzip+) of offline contexts; KVzip's "
           "4 sinks kept")
+_KVZAP_HIDDEN_SHA = "9a85fd66554033fa087944b6521ded3f452d5ffcd6c0a0b52f53a8f7c71837b5"
 _KVPOP_SHA = "e231e3e4f0632921e65c7961793b7076464a542ac8a18e7bd670f000793a10a5"
+_KVPOP_DELAYED_SHA = "154b74f06728ee3e0eef4bfae542ec778f193cb6ea5d9067402dee42dd070683"
 _DMS_ARGS = {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128}
 
 LEARNED = [
     Recipe("kvzap", "kvzap", "global-topk", {"weights": "smollm2-135m", "sha256": _KVZAP_SHA},
            trained_for="smollm2-135m",
            source="https://arxiv.org/abs/2601.07891 (kvpress KVzapPress)", provenance="peer", inferred=_KVZAP),
+    Recipe("kvzap-hidden", "kvzap", "global-topk",
+           {"weights": "smollm2-135m", "sha256": _KVZAP_HIDDEN_SHA, "inputs": "hidden"}, trained_for="smollm2-135m",
+           source="https://arxiv.org/abs/2601.07891 (kvpress KVzapPress)", provenance="peer",
+           inferred="the surrogate reads the attention input h_j, as kvpress, from one more dense forward of the "
+           "source model (kvpress reads it from the forward it runs), so the context is read in one prefill; a ridge "
+           "regression per (layer, KV head) on standardised h_j (kvpress: per layer, default penalty), penalty 1000 "
+           "chosen on the last two training contexts; this library's KVzip scores (no instruction, one chunk; "
+           "kvpress: KVzip+) of offline contexts; KVzip's 4 sinks kept"),
     Recipe("kvpop", "kvpop", "uniform", {"weights": "smollm2-135m", "sha256": _KVPOP_SHA}, trained_for="smollm2-135m",
            source="https://arxiv.org/abs/2607.05061 (KVpop, METHODS.md §49: read through summaries, code not found)",
            provenance="abstract",
@@ -26,6 +36,16 @@ LEARNED = [
            "queries 32 or more positions later pay the token top-quarter attention mass, learned with a "
            "cross-entropy weighted toward the keep boundary (the paper's loss form is not known); the newest 32 and "
            "4 sinks kept; every head evicted to the same budget"),
+    Recipe("kvpop-delayed", "kvpop", "uniform", {"weights": "smollm2-135m", "sha256": _KVPOP_SHA},
+           trained_for="smollm2-135m",
+           decode={"policy": "kvpop-delayed", "every": 16, "recent": 32, "sinks": 4, "prompt": True,
+                   "args": {"weights": "smollm2-135m", "sha256": _KVPOP_DELAYED_SHA}},
+           source="https://arxiv.org/abs/2607.05061 (KVpop's delayed scorer, METHODS.md §49: read through summaries, "
+           "code not found)", provenance="abstract",
+           inferred="the paper's recurrent (xLSTM-style) memory of the tokens that follow is one feature here: the "
+           "attention the next 8 queries paid the token, beside kvpop's features, linear per (layer, KV head); the "
+           "delay of 8 steps; the same target and loss as kvpop; the prompt, ranked by kvpop at prefill, kept while "
+           "decoding; every 16 steps the generated tokens beyond the newest 32 and 4 sinks compete for the cap"),
     Recipe("dms", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
            provenance="peer", inferred=_KVZAP + "; prefill only (no decode-time FIFO); the budget caps what the "
            "threshold keeps (kvpress: the threshold alone decides); tau -4 from kvpress's README, not tuned here"),

@@ -3,7 +3,8 @@
 ``train("kvzap", model, tokenizer, name="smollm2-135m")`` collects KVzip targets (``train.kvzap``), fits the
 surrogate (``train.loop``), measures it against its own random initialisation on held-out contexts, and writes
 ``kvzap-<name>.safetensors`` + its JSON card where the ``kvzap`` recipe finds them (``methods.learned``);
-``"kvpop"`` does the same with KVpop's keep/drop labels from future attention mass (``train.kvpop``). The run
+``"kvpop"`` does the same with KVpop's keep/drop labels from future attention mass (``train.kvpop``), and
+``"kvpop-delayed"`` with the delayed scorer's features (``methods.kvpop.DELAY`` steps of lookahead). The run
 folder keeps the collected data, the checkpoint a rerun resumes from, and the loss curve.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -19,8 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..methods import learned
+from ..methods.kvpop import DELAY
 from .kvpop import auc, kvpop_examples, weighted_bce
-from .kvzap import contexts, kvzip_examples, mse, spearman, surrogate
+from .kvzap import contexts, fit_ridge, kvzip_examples, mse, spearman, surrogate
 from .loop import Schedule, fit, plot_losses
 
 
@@ -35,27 +38,38 @@ class Method:
     metric: Callable
     metric_name: str
     target: str  # what the progress message says is collected
+    regression: bool = False  # real targets under squared error: the linear form can be a ridge fit
 
 
 METHODS = {
     "kvzap": Method(lambda cm, t, n, s, p: dict(zip("xy", kvzip_examples(cm, t, n, s, p))),
-                    lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman", "KVzip targets (two prefills each)"),
+                    lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman", "KVzip targets (two prefills each)",
+                    regression=True),
+    "kvzap-hidden": Method(lambda cm, t, n, s, p: dict(zip("xy", kvzip_examples(cm, t, n, s, p, inputs="hidden"))),
+                           lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman",
+                           "KVzip targets and attention inputs (three passes each)", regression=True),
     "kvpop": Method(kvpop_examples, weighted_bce, auc, "held_out_auc", "future attention mass (one prefill each)"),
+    "kvpop-delayed": Method(partial(kvpop_examples, delay=DELAY), weighted_bce, auc, "held_out_auc",
+                            f"future attention mass and {DELAY} steps of lookahead (one prefill each)"),
 }
 
 
 def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Schedule(), hidden: int = 0,
-          lengths: tuple[int, ...] = (256, 512, 1024), per_length: int = 4, held_out: int = 4,
+          ridge: float = 0.0, lengths: tuple[int, ...] = (256, 512, 1024), per_length: int = 4, held_out: int = 4,
           per_context: int = 256, out: str | Path | None = None, run_dir: str | Path | None = None,
           progress: bool = True) -> dict:
     """Train ``method`` (a key of ``METHODS``) for ``model`` (a transformers causal LM or a ``CompressedModel``
     of one) and return the weights' card. ``name`` keys the weights (``<method>-<name>.safetensors`` in ``out``,
     default ``methods.learned.trained_root()``); ``schedule`` fixes steps, batch, learning rate and the seed (data
-    draws and initialisation follow it too); ``hidden`` > 0 trains the MLP form; training uses ``per_length``
+    draws and initialisation follow it too); ``hidden`` > 0 trains the MLP form; ``ridge`` > 0 fits the linear
+    form of a regression method in closed form with that penalty instead (no steps); training uses ``per_length``
     contexts of each of ``lengths`` tokens, ``per_context`` tokens of each, and ``held_out`` contexts of the
     largest length from another seed measure it. Rerun with the same arguments to resume."""
     if method not in METHODS:
         raise ValueError(f"unknown method to train {method!r}; trainable: {', '.join(METHODS)}")
+    if ridge and (hidden or not METHODS[method].regression):
+        raise ValueError(f"ridge fits the linear form of a regression method (kvzap, kvzap-hidden); got {method!r} "
+                         f"with hidden={hidden}")
     import kvcompile
 
     started = time.perf_counter()
@@ -68,20 +82,26 @@ def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Sche
     x, y, hx, hy = (data[k] for k in ("x", "y", "held_x", "held_y"))
     initial = surrogate(x, y, hidden, schedule.seed)
     net = surrogate(x, y, hidden, schedule.seed)
-    losses = fit(net, spec.loss(train_set), x.shape[2], schedule, run_dir, progress)
-    plot_losses(losses, run_dir / "loss.png", f"{method} on {name}")
+    if ridge:
+        fit_ridge(net, x, y, ridge)
+        with torch.no_grad():
+            losses = [float(spec.loss(train_set)(m, torch.arange(x.shape[2]))) for m in (initial, net)]
+    else:
+        losses = fit(net, spec.loss(train_set), x.shape[2], schedule, run_dir, progress)
+        plot_losses(losses, run_dir / "loss.png", f"{method} on {name}")
     with torch.no_grad():
         scores = {"trained": spec.metric(net(hx), hy), "random_init": spec.metric(initial(hx), hy)}
         held_loss = float(spec.loss({k[5:]: v for k, v in data.items() if k.startswith("held_")})(
             net, torch.arange(hx.shape[2])))
     card = {
-        "method": method, "model": name, "form": f"mlp{hidden}" if hidden else "linear",
+        "method": method, "model": name, "form": f"mlp{hidden}" if hidden else f"ridge{ridge:g}" if ridge else "linear",
         "library_version": kvcompile.__version__, "schedule": asdict(schedule),
         "data": {"tasks_and_prose": "train.kvzap.contexts", "targets": spec.target, "lengths": list(lengths),
                  "per_length": per_length,
                  "per_context": per_context, "examples": x.shape[2], "held_out_contexts": held_out,
                  "held_out_examples": hx.shape[2]},
-        "tokens_seen": schedule.steps * min(schedule.batch, x.shape[2]), "initial_loss": losses[0],
+        "tokens_seen": x.shape[2] if ridge else schedule.steps * min(schedule.batch, x.shape[2]),
+        "initial_loss": losses[0],
         "final_loss": losses[-1],
         "held_out_loss": held_loss, spec.metric_name: scores,
         "seconds": round(time.perf_counter() - started, 1),

@@ -7,15 +7,17 @@ import sys
 
 
 def add_parser(sub) -> None:
-    tr = sub.add_parser("train", help="train a learned scorer (kvzap, kvpop) on data generated offline; writes safetensors "
+    tr = sub.add_parser("train", help="train a learned scorer (kvzap, kvzap-hidden, kvpop, kvpop-delayed) on data generated offline; writes safetensors "
                         "weights + a JSON card where its recipe finds them")
-    tr.add_argument("method", choices=("kvzap", "kvpop"))
+    tr.add_argument("method", choices=("kvzap", "kvzap-hidden", "kvpop", "kvpop-delayed"))
     tr.add_argument("--model", default="smollm2-135m", help="a kvcompile.load_model name (also keys the weights)")
     tr.add_argument("--steps", type=int, default=300)
     tr.add_argument("--batch", type=int, default=512)
     tr.add_argument("--lr", type=float, default=5e-3)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--hidden", type=int, default=0, help="0: linear surrogate; N: an MLP with N hidden units")
+    tr.add_argument("--ridge", type=float, default=0.0, help="> 0: fit the linear surrogate of kvzap / kvzap-hidden "
+                    "as a ridge regression with this penalty, in closed form (as kvpress fits KVzap's)")
     tr.add_argument("--lengths", default="256,512,1024", help="context lengths in tokens, comma-separated")
     tr.add_argument("--per-length", type=int, default=4, help="training contexts per length")
     tr.add_argument("--held-out", type=int, default=4, help="held-out contexts (the largest length, another seed)")
@@ -37,7 +39,8 @@ def run(args) -> int:
     lengths = tuple(int(n) for n in args.lengths.split(","))
     print(f"collecting {METHODS[args.method].target} on {args.per_length * len(lengths) + args.held_out} offline "
           "contexts (the slow part: minutes on 2 CPU cores)...", file=sys.stderr)
-    card = train(args.method, model, tok, name=args.model, schedule=schedule, hidden=args.hidden, lengths=lengths,
+    card = train(args.method, model, tok, name=args.model, schedule=schedule, hidden=args.hidden, ridge=args.ridge,
+                 lengths=lengths,
                  per_length=args.per_length, held_out=args.held_out, per_context=args.per_context, out=args.out,
                  run_dir=args.run_dir)
     print(json.dumps(card, indent=1, sort_keys=True))

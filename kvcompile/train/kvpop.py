@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from ..calibration import calibration_runner
 from ..methods.base import Observation
+from ..methods.kvpop import delayed_features, lookahead_mass
 from ..methods.kvzap import token_features
 from ..observation import observe
 
@@ -54,9 +55,13 @@ def labels(mass: Tensor, candidates: Tensor, keep: float) -> tuple[Tensor, Tenso
 
 @torch.no_grad()
 def kvpop_examples(cm, texts: list[list[int]], per_context: int, seed: int, progress: bool = True,
-                   window: int = 32, keep: float = 0.25) -> dict[str, Tensor]:
+                   window: int = 32, keep: float = 0.25, delay: int = 0) -> dict[str, Tensor]:
     """{"x": features [L, Hkv, N, F], "y": keep labels [L, Hkv, N], "w": loss weights [L, Hkv, N]} of up to
-    ``per_context`` random candidate tokens of each context, from ``cm`` (a ``CompressedModel`` of the model)."""
+    ``per_context`` random candidate tokens of each context, from ``cm`` (a ``CompressedModel`` of the model).
+    ``delay`` > 0: the delayed scorer's features, with the attention of the ``delay`` queries after each token
+    (``methods.kvpop.lookahead_mass``; complete for every candidate while ``delay <= window``)."""
+    if not 0 <= delay <= window:
+        raise ValueError(f"kvpop: the delay must lie in [0, window={window}], got {delay}")
     runner = calibration_runner(cm, window=max(len(t) for t in texts))
     g = torch.Generator().manual_seed(seed)
     xs, ys, ws = [], [], []
@@ -71,7 +76,9 @@ def kvpop_examples(cm, texts: list[list[int]], per_context: int, seed: int, prog
             if chosen is None:
                 usable = candidates[0].all(0).nonzero()[:, 0]
                 chosen = usable[torch.randperm(len(usable), generator=g)[:per_context].sort().values]
-            feats.append(token_features(obs.keys[0], obs.values[0])[:, chosen].cpu())
+            x = (delayed_features(obs.keys, obs.values, lookahead_mass(obs, delay)) if delay
+                 else token_features(obs.keys, obs.values))
+            feats.append(x[0][:, chosen].cpu())
             ys_c.append(y[0][:, chosen].cpu())
             ws_c.append(w[0][:, chosen].cpu())
         xs.append(torch.stack(feats))

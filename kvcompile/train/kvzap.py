@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from ..attention_inputs import attention_inputs
 from ..eval.fidelity import prose_windows
 from ..eval.synthetic import make_sample
 from ..methods.base import is_pinned
@@ -43,10 +44,11 @@ def contexts(tokenizer, lengths: tuple[int, ...], per_length: int, seed: int) ->
 
 
 @torch.no_grad()
-def kvzip_examples(cm, texts: list[list[int]], per_context: int, seed: int, progress: bool = True
-                   ) -> tuple[Tensor, Tensor]:
+def kvzip_examples(cm, texts: list[list[int]], per_context: int, seed: int, progress: bool = True,
+                   inputs: str = "cache") -> tuple[Tensor, Tensor]:
     """(features [L, Hkv, N, F], log KVzip scores [L, Hkv, N]) of up to ``per_context`` random tokens of each
-    context (every token when it has fewer), from ``cm`` (a ``CompressedModel`` of the model) under ``kvzip``."""
+    context (every token when it has fewer), from ``cm`` (a ``CompressedModel`` of the model) under ``kvzip``;
+    the features are ``KVzap.inputs``: ``token_features`` ("cache") or each layer's attention input ("hidden")."""
     import kvcompile
 
     runner = kvcompile.apply(cm, budget=0.5, recipe="kvzip")
@@ -56,6 +58,9 @@ def kvzip_examples(cm, texts: list[list[int]], per_context: int, seed: int, prog
         runner.reset()
         runner.prefill(torch.tensor([ids], device=runner.device), compress=False, logits="last")
         feats, logs, positions = [], [], None
+        if inputs == "hidden":
+            real = torch.ones(1, len(ids), dtype=torch.bool, device=runner.device)
+            hidden = attention_inputs(runner.source, torch.tensor([ids], device=runner.device), real)[:, 0]
         with runner.observing() as (cache, _):
             for layer in runner.programs.layers:
                 obs = observe(cache, layer)
@@ -67,7 +72,9 @@ def kvzip_examples(cm, texts: list[list[int]], per_context: int, seed: int, prog
                     chosen = chosen[torch.randperm(len(chosen), generator=g)[:per_context].sort().values]
                 if not torch.equal(obs.positions[0], positions):
                     raise RuntimeError("layers hold different tokens on a fresh prefill")
-                feats.append(token_features(obs.keys[0], obs.values[0])[:, chosen].cpu())
+                x = (token_features(obs.keys[0], obs.values[0])[:, chosen] if inputs == "cache"
+                     else hidden[layer.index][positions[:, chosen]])
+                feats.append(x.cpu())
                 logs.append(scores[:, chosen].log().cpu())
         xs.append(torch.stack(feats))
         ys.append(torch.stack(logs))
@@ -94,6 +101,16 @@ def surrogate(x: Tensor, y: Tensor, hidden: int, seed: int) -> Surrogate:
         net.std.copy_(x.std(2).clamp_min(1e-4))
         net.b.copy_(y.mean(2))
     return net
+
+
+@torch.no_grad()
+def fit_ridge(net: Surrogate, x: Tensor, y: Tensor, penalty: float) -> None:
+    """Set ``net`` (linear, from ``surrogate``: its normalisation and bias already fitted) to the ridge regression of
+    ``y`` [L, Hkv, N] on the normalised ``x`` [L, Hkv, N, F], per (layer, KV head), in closed form: kvpress fits
+    KVzap's linear form as a ridge regression. ``penalty``: lambda on the normalised features."""
+    xn = (x - net.mean[:, :, None]) / net.std[:, :, None]
+    gram = xn.transpose(-1, -2) @ xn + penalty * torch.eye(x.shape[-1])
+    net.w.copy_(torch.linalg.solve(gram, xn.transpose(-1, -2) @ (y - net.b[..., None])[..., None])[..., 0])
 
 
 def mse(x: Tensor, y: Tensor):
