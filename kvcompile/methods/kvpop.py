@@ -21,10 +21,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from . import learned
 from .base import Observation, protect, register_scorer
 from .decoding import DecodePolicy, LayerState, register_policy
-from .kvzap import TRAIN_HINT, KVzap, Surrogate, token_features
+from .kvzap import TRAIN_HINT, KVzap, load_surrogate, token_features
 
 DELAY = 8  # steps between a token's write and its score (inferred: §49 names the mechanism, not a value)
 
@@ -77,9 +76,7 @@ class KVpopDelayed(DecodePolicy):
     sha256: str = ""
 
     def __post_init__(self):
-        hint = TRAIN_HINT.format(method=self.method, name=self.weights)
-        tensors, self.card = learned.load(self.method, self.weights, self.sha256, hint)
-        self.net = Surrogate.from_tensors(tensors)
+        self.net, self.card = load_surrogate(self.method, self.weights, self.sha256)
 
     def ring(self, every: int) -> int:
         return every + DELAY

@@ -73,6 +73,12 @@ class Surrogate(nn.Module):
         return (x * p["w"].unsqueeze(-2)).sum(-1) + p["b"].unsqueeze(-1)
 
 
+def load_surrogate(method: str, weights: str, sha256: str) -> tuple[Surrogate, dict]:
+    """(the surrogate, its card) of ``<method>-<weights>`` (``methods.learned``), refused with the train hint."""
+    tensors, card = learned.load(method, weights, sha256, TRAIN_HINT.format(method=method, name=weights))
+    return Surrogate.from_tensors(tensors), card
+
+
 @register_scorer("kvzap")
 @dataclass
 class KVzap(Scorer):
@@ -94,9 +100,7 @@ class KVzap(Scorer):
             raise ValueError(f"{self.method}: n_sink must be >= 0, got {self.n_sink}")
         if self.inputs not in ("cache", "hidden"):
             raise ValueError(f"{self.method}: inputs must be 'cache' or 'hidden', got {self.inputs!r}")
-        tensors, self.card = learned.load(self.trained, self.weights, self.sha256,
-                                          TRAIN_HINT.format(method=self.trained, name=self.weights))
-        self.net = Surrogate.from_tensors(tensors)
+        self.net, self.card = load_surrogate(self.trained, self.weights, self.sha256)
 
     @property
     def trained(self) -> str:
