@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import checks, observation, ops
+from . import adapters, checks, observation, ops
 from .artifact import export, load
 from .budget import Budget
+from .first_use import build_recipe
 from .model import CompressedModel
 from .programs import Programs
 from .recipes import Recipe, get_recipe, recipes
@@ -70,7 +71,7 @@ def apply(
     """
     budget = Budget.parse(budget)
     recipe = get_recipe(recipe)
-    scorer, _ = recipe.build()  # bad recipe parameters fail here, before any capture
+    scorer, _ = build_recipe(recipe)  # bad recipe parameters fail here, before any capture
     if scorer is not None:
         observation.check(scorer.sources(), f"recipe {recipe.name!r}")
     if recipe.scorer is None and recipe.format is None and not budget.is_full:
@@ -82,8 +83,13 @@ def apply(
     if isinstance(model, CompressedModel):  # re-target: same programs, new recipe or budget (nothing rewritten)
         if model.programs.captured is None:
             raise ValueError("this CompressedModel was loaded from an exported artifact and cannot be re-targeted")
+        if model.recipe.adapter != recipe.adapter:
+            raise ValueError(f"recipe {recipe.name!r} runs another adapter than this CompressedModel's (adapter "
+                             f"{recipe.adapter}, not {model.recipe.adapter}): apply it to the plain model")
         spec, programs, gen_config, source = model.spec, model.programs, model.generation_config, model.source
     elif isinstance(model, nn.Module):
+        if recipe.adapter is not None:  # its LoRA weights, merged into a copy: the model given is not modified
+            model = adapters.adapted(model, recipe.adapter)
         spec = ModelSpec.from_model(model)
         programs = Programs.of(model, spec, capture_cache)
         gen_config, source = getattr(model, "generation_config", None), model

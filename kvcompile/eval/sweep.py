@@ -29,7 +29,6 @@ from ..model import CompressedModel
 from . import ledger, report
 from .decoding import answer, encode, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
-from .ledger import dropped_mass
 from .store import VALUES, Store, cell_keys
 from .step_tasks import task_segments
 from .synthetic import get_task, make_sample
@@ -229,7 +228,7 @@ def _cell(base, recipe, budget, sample, question, tokenizer, max_new_tokens, kl,
 def _bounded(before, model) -> dict:
     """The ledger's dropped mass, or the error that stopped it (the cell's own result stands either way)."""
     try:
-        return dropped_mass(before, model)
+        return ledger.dropped_mass(before, model)
     except Exception as e:  # noqa: BLE001 - recorded in the ledger
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -243,10 +242,11 @@ def _observation_window(cm: CompressedModel, recipe, budget) -> int:
 
 
 def _reads_ids(recipe) -> bool:
-    """Whether a cell reads the context's token ids (``ContextTokens``); False for one that cannot be built."""
+    """Whether a cell reads the context's token ids (``ContextTokens``); False for one that cannot be built yet (bad
+    parameters, or weights ``apply`` will train on first use: ``kvcompile.first_use``)."""
     try:
         scorer, _ = recipe.build()
-    except ValueError:
+    except (ValueError, FileNotFoundError):
         return False
     return scorer is not None and observation.keeps_ids(scorer.sources())
 

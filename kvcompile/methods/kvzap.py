@@ -73,10 +73,11 @@ class Surrogate(nn.Module):
         return (x * p["w"].unsqueeze(-2)).sum(-1) + p["b"].unsqueeze(-1)
 
 
-def load_surrogate(method: str, weights: str, sha256: str) -> tuple[Surrogate, dict]:
-    """(the surrogate, its card) of ``<method>-<weights>`` (``methods.learned``), refused with the train hint."""
+def load_surrogate(method: str, weights: str, sha256: str, net_class: type = Surrogate) -> tuple[nn.Module, dict]:
+    """(the ``net_class`` network, its card) of ``<method>-<weights>`` (``methods.learned``), refused with the train
+    hint."""
     tensors, card = learned.load(method, weights, sha256, TRAIN_HINT.format(method=method, name=weights))
-    return Surrogate.from_tensors(tensors), card
+    return net_class.from_tensors(tensors), card
 
 
 @register_scorer("kvzap")
@@ -89,18 +90,19 @@ class KVzap(Scorer):
     input, weights ``<method>-hidden-<weights>``)."""
 
     method: ClassVar[str] = "kvzap"  # the weights' file prefix and the train command's method
+    net_class: ClassVar[type] = Surrogate  # what the weights are the parameters of
     weights: str = "smollm2-135m"
     sha256: str = ""
     n_sink: int = 4
     inputs: str = "cache"
-    net: Surrogate = field(init=False, repr=False, compare=False)
+    net: nn.Module = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.n_sink < 0:
             raise ValueError(f"{self.method}: n_sink must be >= 0, got {self.n_sink}")
         if self.inputs not in ("cache", "hidden"):
             raise ValueError(f"{self.method}: inputs must be 'cache' or 'hidden', got {self.inputs!r}")
-        self.net, self.card = load_surrogate(self.trained, self.weights, self.sha256)
+        self.net, self.card = load_surrogate(self.trained, self.weights, self.sha256, self.net_class)
 
     @property
     def trained(self) -> str:
@@ -126,7 +128,7 @@ class KVzap(Scorer):
                              + TRAIN_HINT.format(method=self.trained, name="<model>"))
 
     def score(self, obs: Observation) -> Tensor:
-        if self.net.w.device != obs.keys.device:
+        if self.net.b.device != obs.keys.device:
             self.net.to(obs.keys.device)
         x = token_features(obs.keys, obs.values) if self.inputs == "cache" else obs.hidden
         return protect(self.net(x, obs.layer), obs.positions < self.n_sink)

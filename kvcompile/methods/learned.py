@@ -44,9 +44,17 @@ def save(path: Path, tensors: dict[str, torch.Tensor], card: dict) -> dict:
     return card
 
 
+class MissingWeights(FileNotFoundError):
+    """No weights ``name`` of ``method`` (with digest ``sha256``, when pinned) where ``candidates`` looked."""
+
+    def __init__(self, message: str, method: str, name: str, sha256: str):
+        super().__init__(message)
+        self.method, self.name, self.sha256 = method, name, sha256
+
+
 def load(method: str, name: str, sha256: str = "", train_hint: str = "") -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, card) of the first candidate file (``candidates``) whose digest is ``sha256`` (any, when empty).
-    Raises ``FileNotFoundError`` naming where it looked and how to make the weights: a learned scorer never runs
+    Raises ``MissingWeights`` (a ``FileNotFoundError``) naming where it looked and how to make the weights: a learned scorer never runs
     untrained."""
     looked = []
     for path in candidates(method, name):
@@ -56,5 +64,5 @@ def load(method: str, name: str, sha256: str = "", train_hint: str = "") -> tupl
             card = json.loads(card_path.read_text()) if card_path.is_file() else {}
             return load_file(str(path)), card
     pinned = f" with SHA-256 {sha256[:12]}..." if sha256 else ""
-    raise FileNotFoundError(f"no trained {method} weights {name!r}{pinned} (looked in: {', '.join(looked)}); "
-                            f"{train_hint or 'train them first'}")
+    raise MissingWeights(f"no trained {method} weights {name!r}{pinned} (looked in: {', '.join(looked)}); "
+                         f"{train_hint or 'train them first'}", method, name, sha256)

@@ -24,6 +24,7 @@ import textwrap
 import types
 from pathlib import Path
 
+from ..adapters import Adapter
 from ..kernels.formats import FORMATS, PrunedCodec, get_format
 from ..methods.think import ThinK
 from ..methods import ALLOCATORS, SCORERS
@@ -48,7 +49,7 @@ def behaviour(recipe: Recipe) -> dict:
     optional = {"prefill_chunk": recipe.prefill_chunk, "rerotate_keys": recipe.rerotate_keys,
                 "format": recipe.format and repr(get_format(recipe.format)), "precise_recent": recipe.precise_recent,
                 "precise_anchors": recipe.precise_anchors,
-                "merge": recipe.merge}
+                "merge": recipe.merge, "adapter": recipe.adapter}
     return fields | {k: v for k, v in optional.items() if v}  # unset, they leave earlier fingerprints alone
 
 
@@ -60,6 +61,7 @@ def code_roots(recipe: Recipe) -> list[type]:
     roots += [POLICIES[recipe.decode["policy"]]] if recipe.decode else []
     roots += [rerotate] if recipe.rerotate_keys else []
     roots += [ValueMerging] if recipe.merge else []
+    roots += [Adapter] if recipe.adapter else []
     page_format = get_format(recipe.format) if recipe.format else None
     roots += [type(page_format.key), type(page_format.value)] if page_format else []
     roots += [ThinK] if page_format and isinstance(page_format.key, PrunedCodec) else []  # it picks the channels

@@ -1,6 +1,7 @@
-"""The learned recipes (METHODS.md §32, §49): their scorer reads weights trained here for SmolLM2-135M
+"""The learned recipes (METHODS.md §32, §33, §49): their scorer reads weights trained here for SmolLM2-135M
 (``kvcompile train kvzap``), shipped in ``kvcompile/weights`` and pinned by SHA-256, so new weights need a new
-version."""
+version; FastKVzip's gates, too large to ship, are trained on first use (``kvcompile.first_use``). Recipes with an
+``adapter`` serve the model with LoRA weights trained here merged in (``kvcompile.adapters``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ _KVZAP = ("the surrogate reads each head's held value and key (its rotary-pair n
 _KVZAP_HIDDEN_SHA = "9a85fd66554033fa087944b6521ded3f452d5ffcd6c0a0b52f53a8f7c71837b5"
 _KVPOP_SHA = "e231e3e4f0632921e65c7961793b7076464a542ac8a18e7bd670f000793a10a5"
 _KVPOP_DELAYED_SHA = "154b74f06728ee3e0eef4bfae542ec778f193cb6ea5d9067402dee42dd070683"
+_SPARSE_FINETUNE_SHA = "053e56d64aa25ff7626a0d1d8d64fd9da638cff1997237d67502c25e51aba708"
+_H2O_ARGS = {"window": 8192, "block": 256, "heavy_ratio": 0.5}  # the h2o recipe's
 _DMS_ARGS = {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128}
 
 LEARNED = [
@@ -46,6 +49,12 @@ LEARNED = [
            "attention the next 8 queries paid the token, beside kvpop's features, linear per (layer, KV head); the "
            "delay of 8 steps; the same target and loss as kvpop; the prompt, ranked by kvpop at prefill, kept while "
            "decoding; every 16 steps the generated tokens beyond the newest 32 and 4 sinks compete for the cap"),
+    Recipe("fastkvzip", "fastkvzip", "global-topk", {"weights": "smollm2-135m"}, trained_for="smollm2-135m",
+           source="https://arxiv.org/abs/2601.17668 (kvpress FastKVzipPress, METHODS.md §33)", provenance="peer",
+           inferred="the gate has kvpress's architecture (rank 16, 16 sinks, per layer) but is trained here, by "
+           "squared error on the log of this library's KVzip scores (no instruction, one chunk) of offline contexts "
+           "(the paper's loss and data are not published); too large to ship (13 MB), its weights are trained on "
+           "first use, seeded, and not pinned by digest"),
     Recipe("dms", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
            provenance="peer", inferred=_KVZAP + "; prefill only (no decode-time FIFO); the budget caps what the "
            "threshold keeps (kvpress: the threshold alone decides); tau -4 from kvpress's README, not tuned here"),
@@ -56,4 +65,12 @@ LEARNED = [
            inferred=_KVZAP + "; while decoding, the tokens that left the newest 128 are decided every 16 steps "
            "(DMS: each as it leaves), kept iff scored >= tau; the budget, counted over every token read, caps what "
            "is kept; tau -4 from kvpress's README, not tuned here"),
+    Recipe("sparse-finetune-h2o", "h2o", "uniform", _H2O_ARGS, trained_for="smollm2-135m",
+           adapter={"method": "sparse-finetune-h2o", "weights": "smollm2-135m", "sha256": _SPARSE_FINETUNE_SHA},
+           source="awslabs/keys_values (fine-tuning under H2O, METHODS.md §21)", provenance="peer",
+           inferred="h2o, served by SmolLM2 with a rank-8 LoRA (q, k, v, o) fine-tuned here by self-distillation: "
+           "on 16 offline contexts of 512 tokens, H2O at budget 0.25 compresses the first 448 and the adapted model "
+           "matches the frozen full-cache model's next-token distribution over the last 64 (KL), reading the kept "
+           "tokens (a dense masked pass, equal to the paged path); the kept set is the frozen model's while training "
+           "(KeysAndValues trains while it evicts); 100 steps of 2 contexts"),
 ]

@@ -42,6 +42,8 @@ class Recipe:
     precise_anchors: int = 0  # with a format: every n-th page of positions stays in the model's dtype (Minima-KV)
     merge: dict | None = None  # ``methods.merging.ValueMerging`` fields: fold evicted values into kept ones (None: no)
     trained_for: str = ""  # the model whose trained weights the scorer reads (``kvcompile train``): it runs on that one
+    adapter: dict | None = None  # LoRA weights ``{"method", "weights", "sha256"}`` merged into a copy of the model
+    # before capture (``kvcompile.adapters``; None: the model as given)
 
     def __post_init__(self):
         if self.provenance not in PROVENANCE:
@@ -60,6 +62,9 @@ class Recipe:
         if self.precise_recent and self.format is None:
             raise ValueError(f"recipe {self.name!r}: precise_recent keeps recent tokens out of a page format; it "
                              "needs a format")
+        if self.adapter is not None and not {"method", "weights"} <= set(self.adapter) <= {"method", "weights", "sha256"}:
+            raise ValueError(f"recipe {self.name!r}: adapter needs 'method' and 'weights' (and may pin 'sha256'), got "
+                             f"{sorted(self.adapter)}")
         if self.decode is not None:
             try:
                 DecodeSchedule(**self.decode)

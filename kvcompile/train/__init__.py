@@ -4,8 +4,9 @@
 surrogate (``train.loop``), measures it against its own random initialisation on held-out contexts, and writes
 ``kvzap-<name>.safetensors`` + its JSON card where the ``kvzap`` recipe finds them (``methods.learned``);
 ``"kvpop"`` does the same with KVpop's keep/drop labels from future attention mass (``train.kvpop``), and
-``"kvpop-delayed"`` with the delayed scorer's features (``methods.kvpop.DELAY`` steps of lookahead). The run
-folder keeps the collected data, the checkpoint a rerun resumes from, and the loss curve.
+``"kvpop-delayed"`` with the delayed scorer's features (``methods.kvpop.DELAY`` steps of lookahead), and
+``"fastkvzip"`` fits FastKVzip's gate (``methods.fastkvzip``) to the same KVzip targets as ``"kvzap-hidden"``. The
+run folder keeps the collected data, the checkpoint a rerun resumes from, and the loss curve.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..methods import learned
+from ..methods.fastkvzip import Gate
 from ..methods.kvpop import DELAY
 from .kvpop import auc, kvpop_examples, weighted_bce
-from .kvzap import contexts, fit_ridge, kvzip_examples, mse, spearman, surrogate
+from .kvzap import contexts, fit_ridge, gate, kvzip_examples, mse, spearman, surrogate
 from .loop import Schedule, fit, plot_losses
 
 
@@ -39,15 +41,21 @@ class Method:
     metric_name: str
     target: str  # what the progress message says is collected
     regression: bool = False  # real targets under squared error: the linear form can be a ridge fit
+    net: Callable = surrogate  # (x, y, hidden, seed, group) -> a fresh network to train
+
+
+def _hidden_kvzip(cm, texts, per_context, seed, progress) -> dict:
+    return dict(zip("xy", kvzip_examples(cm, texts, per_context, seed, progress, inputs="hidden")))
 
 
 METHODS = {
     "kvzap": Method(lambda cm, t, n, s, p: dict(zip("xy", kvzip_examples(cm, t, n, s, p))),
                     lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman", "KVzip targets (two prefills each)",
                     regression=True),
-    "kvzap-hidden": Method(lambda cm, t, n, s, p: dict(zip("xy", kvzip_examples(cm, t, n, s, p, inputs="hidden"))),
-                           lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman",
+    "kvzap-hidden": Method(_hidden_kvzip, lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman",
                            "KVzip targets and attention inputs (three passes each)", regression=True),
+    "fastkvzip": Method(_hidden_kvzip, lambda d: mse(d["x"], d["y"]), spearman, "held_out_spearman",
+                        "KVzip targets and attention inputs (three passes each)", net=gate),
     "kvpop": Method(kvpop_examples, weighted_bce, auc, "held_out_auc", "future attention mass (one prefill each)"),
     "kvpop-delayed": Method(partial(kvpop_examples, delay=DELAY), weighted_bce, auc, "held_out_auc",
                             f"future attention mass and {DELAY} steps of lookahead (one prefill each)"),
@@ -80,8 +88,8 @@ def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Sche
     data = _data(spec, cm, tokenizer, run_dir, lengths, per_length, held_out, per_context, schedule.seed, progress)
     train_set = {k: v for k, v in data.items() if not k.startswith("held_")}
     x, y, hx, hy = (data[k] for k in ("x", "y", "held_x", "held_y"))
-    initial = surrogate(x, y, hidden, schedule.seed)
-    net = surrogate(x, y, hidden, schedule.seed)
+    group = cm.spec.num_q_heads // cm.spec.num_kv_heads
+    initial, net = (spec.net(x, y, hidden, schedule.seed, group) for _ in range(2))
     if ridge:
         fit_ridge(net, x, y, ridge)
         with torch.no_grad():
@@ -94,7 +102,7 @@ def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Sche
         held_loss = float(spec.loss({k[5:]: v for k, v in data.items() if k.startswith("held_")})(
             net, torch.arange(hx.shape[2])))
     card = {
-        "method": method, "model": name, "form": f"mlp{hidden}" if hidden else f"ridge{ridge:g}" if ridge else "linear",
+        "method": method, "model": name, "form": _form(net, hidden, ridge),
         "library_version": kvcompile.__version__, "schedule": asdict(schedule),
         "data": {"tasks_and_prose": "train.kvzap.contexts", "targets": spec.target, "lengths": list(lengths),
                  "per_length": per_length,
@@ -107,6 +115,12 @@ def train(method: str, model, tokenizer, *, name: str, schedule: Schedule = Sche
         "seconds": round(time.perf_counter() - started, 1),
     }
     return learned.save(out / f"{method}-{name}.safetensors", net.state_dict(), card)
+
+
+def _form(net, hidden: int, ridge: float) -> str:
+    if isinstance(net, Gate):
+        return f"gate-rank{net.wk.shape[-1]}-sinks{net.sinks.shape[2]}"
+    return f"mlp{hidden}" if hidden else f"ridge{ridge:g}" if ridge else "linear"
 
 
 def _data(spec: Method, cm, tokenizer, run_dir: Path, lengths, per_length, held_out, per_context, seed,

@@ -1,27 +1,45 @@
-"""``kvcompile train METHOD --model NAME``: the command line of ``kvcompile.train.train``."""
+"""``kvcompile train METHOD --model NAME``: the command line of ``kvcompile.train.train`` (learned scorers),
+``train.sparse_finetune.finetune`` (an adapter fine-tuned under a recipe) and ``train.abstain.finetune`` (an adapter
+that abstains when compression lost the evidence)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+SCORERS = ("kvzap", "kvzap-hidden", "kvpop", "kvpop-delayed", "fastkvzip")
+ADAPTERS = ("sparse-finetune", "abstain")
+# what a flag left unset means, for the scorers and for each adapter
+DEFAULTS = {"scorer": dict(steps=300, batch=512, lr=5e-3, lengths="256,512,1024", per_length=4, held_out=4),
+            "sparse-finetune": dict(steps=100, batch=2, lr=2e-3, lengths="512", per_length=16, held_out=4),
+            "abstain": dict(steps=100, batch=2, lr=2e-3, lengths="512", per_length=48, held_out=24)}
+
 
 def add_parser(sub) -> None:
-    tr = sub.add_parser("train", help="train a learned scorer (kvzap, kvzap-hidden, kvpop, kvpop-delayed) on data generated offline; writes safetensors "
-                        "weights + a JSON card where its recipe finds them")
-    tr.add_argument("method", choices=("kvzap", "kvzap-hidden", "kvpop", "kvpop-delayed"))
+    tr = sub.add_parser("train", help=f"train a learned scorer ({', '.join(SCORERS)}) or an adapter "
+                        f"({', '.join(ADAPTERS)}) on data generated offline; writes safetensors weights + a JSON card "
+                        "where its recipe finds them")
+    tr.add_argument("method", choices=(*SCORERS, *ADAPTERS))
     tr.add_argument("--model", default="smollm2-135m", help="a kvcompile.load_model name (also keys the weights)")
-    tr.add_argument("--steps", type=int, default=300)
-    tr.add_argument("--batch", type=int, default=512)
-    tr.add_argument("--lr", type=float, default=5e-3)
+    tr.add_argument("--steps", type=int, help="default 300; sparse-finetune 100")
+    tr.add_argument("--batch", type=int, help="examples per step: default 512 tokens; sparse-finetune 2 contexts")
+    tr.add_argument("--lr", type=float, help="default 5e-3; sparse-finetune 2e-3")
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--hidden", type=int, default=0, help="0: linear surrogate; N: an MLP with N hidden units")
     tr.add_argument("--ridge", type=float, default=0.0, help="> 0: fit the linear surrogate of kvzap / kvzap-hidden "
                     "as a ridge regression with this penalty, in closed form (as kvpress fits KVzap's)")
-    tr.add_argument("--lengths", default="256,512,1024", help="context lengths in tokens, comma-separated")
-    tr.add_argument("--per-length", type=int, default=4, help="training contexts per length")
-    tr.add_argument("--held-out", type=int, default=4, help="held-out contexts (the largest length, another seed)")
+    tr.add_argument("--lengths", help="context lengths in tokens, comma-separated (default 256,512,1024; "
+                    "the adapters 512; abstain takes the first)")
+    tr.add_argument("--per-length", type=int, help="training contexts per length (default 4; sparse-finetune 16; "
+                    "abstain 48 samples)")
+    tr.add_argument("--held-out", type=int, help="held-out contexts (the largest length, another seed; default 4, "
+                    "abstain 24)")
     tr.add_argument("--per-context", type=int, default=256, help="tokens drawn from each context")
+    tr.add_argument("--recipe", default="h2o", help="sparse-finetune: the compression the adapter learns to read")
+    tr.add_argument("--budget", type=float, default=0.25, help="sparse-finetune: the recipe's budget while training")
+    tr.add_argument("--rank", type=int, default=8, help="the adapters: LoRA rank (q, k, v, o projections)")
+    tr.add_argument("--continuation", type=int, default=64, help="sparse-finetune: tokens read after each "
+                    "compressed context, where the loss is taken")
     tr.add_argument("--out", default=None, help="weights folder (default $KVCOMPILE_WEIGHTS or "
                     "~/.cache/kvcompile/weights)")
     tr.add_argument("--run-dir", default=None, help="data, checkpoint and loss curve (default OUT/runs/...); "
@@ -30,18 +48,27 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     import kvcompile
-    from kvcompile.train import METHODS, train
+    from kvcompile.train import METHODS, abstain, sparse_finetune, train
     from kvcompile.train.loop import Schedule
 
+    kind = args.method if args.method in ADAPTERS else "scorer"
+    given = {k: getattr(args, k) for k in DEFAULTS[kind]}
+    opts = {k: v if v is not None else DEFAULTS[kind][k] for k, v in given.items()}
     print(f"loading {args.model}...", file=sys.stderr)
     model, tok = kvcompile.load_model(args.model)
-    schedule = Schedule(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
-    lengths = tuple(int(n) for n in args.lengths.split(","))
-    print(f"collecting {METHODS[args.method].target} on {args.per_length * len(lengths) + args.held_out} offline "
-          "contexts (the slow part: minutes on 2 CPU cores)...", file=sys.stderr)
-    card = train(args.method, model, tok, name=args.model, schedule=schedule, hidden=args.hidden, ridge=args.ridge,
-                 lengths=lengths,
-                 per_length=args.per_length, held_out=args.held_out, per_context=args.per_context, out=args.out,
-                 run_dir=args.run_dir)
+    schedule = Schedule(steps=opts["steps"], batch=opts["batch"], lr=opts["lr"], seed=args.seed)
+    lengths = tuple(int(n) for n in opts["lengths"].split(","))
+    common = dict(name=args.model, schedule=schedule, held_out=opts["held_out"], out=args.out, run_dir=args.run_dir)
+    if kind == "abstain":
+        card = abstain.finetune(model, tok, rank=args.rank, length=lengths[0], n=opts["per_length"], **common)
+    elif kind == "sparse-finetune":
+        card = sparse_finetune.finetune(model, tok, recipe=args.recipe, budget=args.budget, rank=args.rank,
+                                        continuation=args.continuation, lengths=lengths,
+                                        per_length=opts["per_length"], **common)
+    else:
+        print(f"collecting {METHODS[args.method].target} on {opts['per_length'] * len(lengths) + args.held_out} "
+              "offline contexts (the slow part: minutes on 2 CPU cores)...", file=sys.stderr)
+        card = train(args.method, model, tok, hidden=args.hidden, ridge=args.ridge, per_context=args.per_context,
+                     lengths=lengths, per_length=opts["per_length"], **common)
     print(json.dumps(card, indent=1, sort_keys=True))
     return 0

@@ -10,6 +10,7 @@ prose windows of Python's bundled documentation (``eval.synthetic``, ``eval.fide
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -20,6 +21,7 @@ from ..attention_inputs import attention_inputs
 from ..eval.fidelity import prose_windows
 from ..eval.synthetic import make_sample
 from ..methods.base import is_pinned
+from ..methods.fastkvzip import Gate
 from ..methods.kvzap import Surrogate, token_features
 from ..observation import observe
 
@@ -91,7 +93,7 @@ def spearman(predicted: Tensor, target: Tensor) -> float:
     return float(((a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1)).clamp_min(1e-12)).mean())
 
 
-def surrogate(x: Tensor, y: Tensor, hidden: int, seed: int) -> Surrogate:
+def surrogate(x: Tensor, y: Tensor, hidden: int, seed: int, group: int = 1) -> Surrogate:
     """A fresh surrogate for features ``x`` [L, Hkv, N, F]: its normalisation set from them, its output bias at the
     mean target of ``y`` [L, Hkv, N] (the ranking within a head is what the weights learn)."""
     L, H, _, F = x.shape
@@ -100,6 +102,20 @@ def surrogate(x: Tensor, y: Tensor, hidden: int, seed: int) -> Surrogate:
         net.mean.copy_(x.mean(2))
         net.std.copy_(x.std(2).clamp_min(1e-4))
         net.b.copy_(y.mean(2))
+    return net
+
+
+def gate(x: Tensor, y: Tensor, hidden: int, seed: int, group: int = 1) -> Gate:
+    """A fresh FastKVzip gate (``methods.fastkvzip``; one form: ``hidden`` must be 0) for attention inputs ``x``
+    [L, Hkv, N, F] and ``group`` query heads per KV head; its logit bias is set so that an untrained gate
+    predicts about the mean target of ``y`` [L, Hkv, N] (log gate ~ own logit - log sinks while the gate is small).
+    """
+    if hidden:
+        raise ValueError(f"the fastkvzip gate has one form (rank 16, 16 sinks); hidden must be 0, got {hidden}")
+    L, H, _, F = x.shape
+    net = Gate(L, H, group, F, seed=seed)
+    with torch.no_grad():
+        net.b.copy_((y.mean(2) + math.log(net.sinks.shape[2])).unsqueeze(-1).expand_as(net.b))
     return net
 
 

@@ -93,7 +93,7 @@ def _restore(net, opt, params, run_dir: Path, schedule: Schedule) -> list[float]
     return list(state["losses"])
 
 
-def plot_losses(losses: list[float], path: Path, title: str) -> Path | None:
+def plot_losses(losses: list[float], path: Path, title: str, ylabel: str = "loss (MSE)") -> Path | None:
     """The loss curve as a PNG (None, with a note, when matplotlib, an optional dependency, is missing)."""
     try:
         import matplotlib
@@ -105,7 +105,7 @@ def plot_losses(losses: list[float], path: Path, title: str) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.2))
     ax.plot(range(1, len(losses) + 1), losses, lw=1)
-    ax.set(xlabel="step", ylabel="loss (MSE)", title=title, yscale="log")
+    ax.set(xlabel="step", ylabel=ylabel, title=title, yscale="log")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,8 @@ visible under the causal mask. Nothing of the library's cache or kernels is used
 reference: at budget 1.0 it is the plain model, and with a selection it equals attention over the kept entries
 (``tests/test_analysis_nominal.py``). ``kvc_bias`` [L, Hkv, n] adds a log-weight to the logits of those positions
 (a boost of w times their attention before renormalising: ``diagnose``'s evidence boost), in every query after
-the document. Batch 1.
+the document. Batch 1. Training under compression runs it too (``train.sparse_finetune``): one pass over document +
+continuation, gradients through both.
 """
 
 from __future__ import annotations
@@ -29,24 +30,27 @@ NAME = "kvcompile-masked"
 
 def masked_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                      kvc_keep: Tensor | None = None, kvc_bias: Tensor | None = None, **kwargs):
-    """SDPA, with the keys that ``kvc_keep[module.layer_idx]`` [Hkv, n] marks evicted masked out of every query, and
-    ``kvc_bias[module.layer_idx]`` [Hkv, n] (if given) added to the logits of the first n keys."""
+    """SDPA, with the keys that ``kvc_keep[module.layer_idx]`` [Hkv, n] marks evicted masked out of every query past
+    the document, and ``kvc_bias[module.layer_idx]`` [Hkv, n] (if given) added to those queries' logits of the first n
+    keys. The document's own queries read it whole, as the prefill that wrote the cache did, so one pass over document
+    + continuation equals reading the continuation from the compressed cache (gradients flow: ``train``)."""
     if kvc_keep is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     Tq, Tk = query.shape[2], key.shape[2]
-    keep = kvc_keep[module.layer_idx]
-    visible = F.pad(keep, (0, Tk - keep.shape[-1]), value=True).repeat_interleave(query.shape[1] // key.shape[1], 0)
+    keep, G = kvc_keep[module.layer_idx], query.shape[1] // key.shape[1]
+    n = keep.shape[-1]
+    after = torch.arange(Tk - Tq, Tk, device=query.device) >= n  # query rows past the document
+    visible = F.pad(keep, (0, Tk - n), value=True).repeat_interleave(G, 0)[:, None, :] | ~after[:, None]
     if attention_mask is None:  # transformers skipped a plain causal mask: query i sits at key Tk - Tq + i
         attention_mask = torch.ones(Tq, Tk, dtype=torch.bool, device=query.device).tril(Tk - Tq)[None, None]
     elif attention_mask.dtype != torch.bool:  # additive: 0 where allowed
         attention_mask = attention_mask == 0
     kwargs.pop("is_causal", None)
-    mask = attention_mask[..., -Tk:] & visible[None, :, None, :]
-    if kvc_bias is not None:  # a float mask: -inf where masked, the bias where visible
-        G = query.shape[1] // key.shape[1]
-        bias = F.pad(kvc_bias[module.layer_idx], (0, Tk - keep.shape[-1])).repeat_interleave(G, 0).to(query.dtype)
+    mask = attention_mask[..., -Tk:] & visible[None]
+    if kvc_bias is not None:  # a float mask: -inf where masked, the bias where visible, in the rows past the document
+        bias = F.pad(kvc_bias[module.layer_idx], (0, Tk - n)).repeat_interleave(G, 0).to(query.dtype)
         mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf")) + \
-            bias[None, :, None, :]
+            bias[None, :, None, :] * after[:, None]
     return sdpa_attention_forward(module, query, key, value, mask, is_causal=False, **kwargs)
 
 
