@@ -41,7 +41,7 @@ class Adapter(nn.Module):
         """The adapter whose ``state_dict`` was saved as ``tensors``, for ``model`` (refused if they do not fit)."""
         rank = next(v for k, v in tensors.items() if k.startswith("a.")).shape[0]
         targets = {k.split(".", 1)[1].rsplit("/", 1)[-1] for k in tensors if k.startswith("a.")}
-        net = cls(model, rank, float(tensors["alpha_over_rank"]) * rank, tuple(targets))
+        net = cls(model, rank, float(tensors["alpha_over_rank"]) * rank, tuple(sorted(targets)))
         try:
             net.load_state_dict(tensors)
         except RuntimeError as e:

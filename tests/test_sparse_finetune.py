@@ -23,8 +23,7 @@ def model():
     return byte_llama()
 
 
-@pytest.mark.parametrize("recipe", ["h2o", "snapkv", "adakv-snapkv", "streamingllm"])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(("recipe", "seed"), [("h2o", 0), ("snapkv", 1), ("adakv-snapkv", 2), ("streamingllm", 3)])
 @pytest.mark.parametrize("family", ["byte-llama", "gemma3"])  # gemma3: a sliding-window layer
 def test_the_masked_forward_is_the_paged_path(model, recipe, seed, family):
     model = model if family == "byte-llama" else tiny_model("gemma3")
@@ -104,6 +103,8 @@ def test_a_recipe_with_an_adapter_serves_the_merged_model(model, trained):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(ValueError, match="runs another adapter"):
         kvcompile.apply(cm, budget=0.3, recipe="h2o")
+    with pytest.raises(ValueError, match="serves the model with another adapter"):
+        cm.fork("h2o")  # the sweep's path: its cell records the error
     with pytest.raises(FileNotFoundError, match="SHA-256"):
         kvcompile.apply(model, budget=0.3, recipe=kvcompile.Recipe("x", "h2o", adapter={**recipe.adapter,
                                                                                          "sha256": "0" * 64}))
