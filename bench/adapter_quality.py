@@ -37,7 +37,7 @@ def run(model, tok, recipes: list[str], budgets: list[float], tasks: list[str], 
                 for budget in [1.0] if recipe == "full" else budgets:
                     cm = kvcompile.apply(served[recipe], budget=budget, recipe=recipe)
                     cm.prefill(ids_tensor(context, cm.device), logits="last")
-                    probe = cm.fork()
+                    held, probe = cm.cache_stats()["bytes_held"], cm.fork()  # held: after compressing the context
                     tokens = answer(cm, tok, read_question(cm, question), max_new)
                     ids = reference.setdefault("ids", question + tokens)
                     logits = probe.prefill(ids_tensor(ids, probe.device), compress=False)[0, :-1]
@@ -45,7 +45,7 @@ def run(model, tok, recipes: list[str], budgets: list[float], tasks: list[str], 
                                                       torch.tensor(ids[1:]))])
                     cells.setdefault((task, recipe, budget), []).append(
                         {"score": sample.score(tok.decode(tokens, skip_special_tokens=True)), "kl": m["kl_mean"],
-                         "top1": m["top1"], "bytes_held": cm.cache_stats()["bytes_held"]})
+                         "top1": m["top1"], "bytes_held": held})
     return [{"task": t, "recipe": r, "budget": b, "n": len(v),
              **{k: sum(x[k] for x in v) / len(v) for k in ("score", "kl", "top1", "bytes_held")}}
             for (t, r, b), v in cells.items()]

@@ -82,6 +82,6 @@ def adapted(model: nn.Module, spec: dict) -> nn.Module:
     """A copy of ``model`` with the adapter a recipe names (``Recipe.adapter``: its method, weights and pinned
     SHA-256, looked up as ``methods.learned`` looks up weights) merged in."""
     method, weights = spec["method"], spec["weights"]
-    hint = f"train it with `kvcompile train sparse-finetune --model {weights}` (see docs/guide.md)"
+    hint = f"train it with `kvcompile train` (docs/guide.md, \"Adapters\"), e.g. `kvcompile train abstain --model {weights}`"
     tensors, _ = learned.load(method, weights, spec.get("sha256", ""), hint)
     return Adapter.from_tensors(model, tensors).merged(model)

@@ -53,3 +53,22 @@ def test_a_short_run_trains_and_reports_served_outcomes(tiny, tmp_path):
         rates = card["held_out"][side]
         assert rates["all"]["n"] == 4 == rates["evidence kept"]["n"] + rates["evidence lost"]["n"]
         assert sum(rates["all"][k] for k in ("correct", "hallucinated", "abstained")) == pytest.approx(1.0)
+
+
+@pytest.mark.slow
+def test_the_shipped_adapter_runs_by_name_on_smollm2_and_hallucinates_less():
+    import kvcompile
+    from kvcompile.eval.decoding import ids_tensor
+    from kvcompile.methods import learned
+
+    adapter = kvcompile.recipes()["abstain-kvzip"].adapter
+    _, card = learned.load(adapter["method"], adapter["weights"], adapter["sha256"])
+    held = card["held_out"]
+    assert held["adapter"]["all"]["hallucinated"] < held["no_adapter"]["all"]["hallucinated"]
+    assert held["adapter"]["evidence lost"]["abstained"] > held["adapter"]["evidence kept"]["abstained"]
+    model, tok = kvcompile.load_model("smollm2-135m")
+    sample = examples(model, tok, 1, 512, seed=5, progress=False)[0]
+    cm = kvcompile.apply(model, budget=0.25, recipe="abstain-kvzip")
+    cm.prefill(ids_tensor(sample["context"], cm.device))
+    stats = cm.cache_stats()
+    assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == "abstain-kvzip@1"

@@ -5,6 +5,7 @@ through ``apply`` (once; refused when pinned, unknown or turned off)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -140,3 +141,18 @@ def test_missing_weights_are_trained_on_first_use_once(tiny_lm, tmp_path, monkey
     assert cm.cache_stats()["bytes_held"] <= cm.cache_stats()["budget_bytes"]
     kvcompile.apply(model, budget=0.5, recipe=recipe, page_size=4)
     assert "training them now" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("KVCOMPILE_LONG" not in os.environ, reason="trains the SmolLM2 gates: 8 minutes on 2 cores")
+def test_it_trains_on_first_use_and_runs_by_name_on_smollm2(tmp_path, monkeypatch):
+    from kvcompile.eval.fidelity import prose_windows
+    from kvcompile.methods import learned
+
+    monkeypatch.setenv("KVCOMPILE_WEIGHTS", str(tmp_path))
+    model, tok = kvcompile.load_model("smollm2-135m")
+    cm = kvcompile.apply(model, budget=0.25, recipe="fastkvzip")
+    _, card = learned.load("fastkvzip", "smollm2-135m")
+    assert card["held_out_spearman"]["trained"] > card["held_out_spearman"]["random_init"] + 0.3
+    cm.prefill(torch.tensor([prose_windows(tok, 1, 600)[0]]))
+    assert cm.cache_stats()["bytes_held"] <= cm.cache_stats()["budget_bytes"]

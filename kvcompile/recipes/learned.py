@@ -16,6 +16,7 @@ _KVZAP_HIDDEN_SHA = "9a85fd66554033fa087944b6521ded3f452d5ffcd6c0a0b52f53a8f7c71
 _KVPOP_SHA = "e231e3e4f0632921e65c7961793b7076464a542ac8a18e7bd670f000793a10a5"
 _KVPOP_DELAYED_SHA = "154b74f06728ee3e0eef4bfae542ec778f193cb6ea5d9067402dee42dd070683"
 _SPARSE_FINETUNE_SHA = "053e56d64aa25ff7626a0d1d8d64fd9da638cff1997237d67502c25e51aba708"
+_ABSTAIN_SHA = "879fae9961311a8626ae4d755841b03429a90a822dad1aee637ab1ad9bc6e0cc"
 _H2O_ARGS = {"window": 8192, "block": 256, "heavy_ratio": 0.5}  # the h2o recipe's
 _DMS_ARGS = {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128}
 
@@ -73,4 +74,13 @@ LEARNED = [
            "matches the frozen full-cache model's next-token distribution over the last 64 (KL), reading the kept "
            "tokens (a dense masked pass, equal to the paged path); the kept set is the frozen model's while training "
            "(KeysAndValues trains while it evicts); 100 steps of 2 contexts"),
+    Recipe("abstain-kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, trained_for="smollm2-135m",
+           adapter={"method": "abstain", "weights": "smollm2-135m", "sha256": _ABSTAIN_SHA},
+           source="compression-aware abstention (GroundLM @ EMNLP 2026; METHODS.md §50: paper not read)",
+           provenance="abstract",
+           inferred="kvzip, served by SmolLM2 with a rank-8 LoRA (q, k, v, o) trained here on 48 offline needle "
+           "samples (niah, pass key; 512 tokens) compressed query-agnostically by KVzip or SnapKV at 0.1 or 0.25: "
+           "the target is the answer where each answer token is kept by at least 10% of the (layer, KV head) pairs, "
+           "else the refusal 'I cannot find it in the context.'; next-token loss on the target while reading the "
+           "kept context (a dense masked pass, equal to the paged path); 100 steps of 2 samples"),
 ]
