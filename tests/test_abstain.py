@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import byte_llama, byte_tokenizer
 
+from kvcompile.eval.analysis.diagnose import evidence_positions
 from kvcompile.eval.decoding import encode
 from kvcompile.train.abstain import REFUSAL, examples, finetune, survived
 from kvcompile.train.loop import Schedule
@@ -72,3 +73,13 @@ def test_the_shipped_adapter_runs_by_name_on_smollm2_and_hallucinates_less():
     cm.prefill(ids_tensor(sample["context"], cm.device))
     stats = cm.cache_stats()
     assert stats["bytes_held"] <= stats["budget_bytes"] and stats["recipe"] == "abstain-kvzip@1"
+
+
+def test_the_random_mask_control_keeps_as_many_tokens_per_head(tiny):
+    model, tok = tiny
+    real, control = (examples(model, tok, 4, 1024, seed=0, progress=False, compressors=(("snapkv", 0.2),),
+                              control=c) for c in (False, True))
+    for a, b in zip(real, control):
+        assert torch.equal(a["keep"].sum(-1), b["keep"].sum(-1)) and not torch.equal(a["keep"], b["keep"])
+        evidence = evidence_positions(tok, b["context_text"], b["sample"].answers)
+        assert b["survived"] == survived(b["keep"], evidence)  # the label follows the random set

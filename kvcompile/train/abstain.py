@@ -45,9 +45,11 @@ def survived(keep: Tensor, evidence: list[int], rule: float = RULE) -> bool:
 
 
 def examples(model, tokenizer, n: int, length: int, seed: int, rule: float = RULE, progress: bool = True,
-             compressors=COMPRESSORS) -> list[dict]:
+             compressors=COMPRESSORS, control: bool = False) -> list[dict]:
     """``n`` samples, cycling through ``compressors`` and ``TASKS``: ``ids`` [1, context + question + target],
-    ``keep`` [L, Hkv, context], ``start`` (where the target begins), ``survived``, and the sample's pieces."""
+    ``keep`` [L, Hkv, context], ``start`` (where the target begins), ``survived``, and the sample's pieces.
+    ``control``: each (layer, KV head) keeps a uniformly random set of as many tokens as the compressor kept (the
+    card's random-mask control), and the label follows that set."""
     import kvcompile
 
     cm, out = model, []
@@ -59,6 +61,9 @@ def examples(model, tokenizer, n: int, length: int, seed: int, rule: float = RUL
         cm = kvcompile.apply(cm, budget=budget, recipe=recipe)  # re-targeted: one capture for all
         cm.prefill(ids_tensor(ctx, cm.device), logits="last")
         keep = kept(cm.held_positions(), len(ctx))
+        if control:
+            draw = torch.rand(keep.shape, generator=torch.Generator().manual_seed(seed * 1009 + i))
+            keep = draw.argsort(-1).argsort(-1) < keep.sum(-1, keepdim=True)
         ok = survived(keep, evidence_positions(tokenizer, context, sample.answers), rule)
         target = encode(tokenizer, " " + (sample.answer if ok else REFUSAL)) + [tokenizer.eos_token_id]
         out.append({"ids": torch.tensor([ctx + q + target]), "keep": keep, "start": len(ctx) + len(q),
@@ -106,12 +111,13 @@ def outcomes(model, tokenizer, data: list[dict], adapter: Adapter | None = None,
 
 
 def finetune(model, tokenizer, *, name: str, schedule: Schedule = Schedule(steps=100, batch=2, lr=2e-3),
-             rank: int = 8, length: int = 512, n: int = 48, held_out: int = 24, rule: float = RULE, out=None,
-             run_dir=None, progress: bool = True) -> dict:
+             rank: int = 8, length: int = 512, n: int = 48, held_out: int = 24, rule: float = RULE,
+             control: bool = False, out=None, run_dir=None, progress: bool = True) -> dict:
     """Train the abstention adapter for ``model`` on ``n`` labelled samples of ``length`` tokens and write it as
     ``abstain-<name>.safetensors`` + card; the card's ``held_out`` holds ``outcomes`` on ``held_out`` samples from
-    another seed, with the adapter and without it (the model itself: B starts at zero)."""
-    data = examples(model, tokenizer, n, length, schedule.seed, rule, progress)
+    another seed, with the adapter and without it (the model itself: B starts at zero). ``control``: train on
+    random masks instead (``examples``), written as ``abstain-control-<name>``; held out on the real compressors."""
+    data = examples(model, tokenizer, n, length, schedule.seed, rule, progress, control=control)
     held = examples(model, tokenizer, held_out, length, schedule.seed + 1000, rule, progress)
     card = {"compressors": [list(c) for c in COMPRESSORS], "tasks": list(TASKS), "refusal": REFUSAL,
             "rule": f"a token survives if kept in >= {rule} of the (layer, KV head) pairs; the span if all do",
@@ -124,5 +130,6 @@ def finetune(model, tokenizer, *, name: str, schedule: Schedule = Schedule(steps
         return {"held_out": {"adapter": outcomes(model, tokenizer, held, adapter, rule),
                              "no_adapter": outcomes(model, tokenizer, held, None, rule)}}
 
-    return train_lora(model, "abstain", name, loss(model, data), n, measure, card, schedule=schedule, rank=rank,
+    card["control"] = "random masks at the compressors' retention" if control else "none"
+    return train_lora(model, "abstain-control" if control else "abstain", name, loss(model, data), n, measure, card, schedule=schedule, rank=rank,
                       out=out, run_dir=run_dir, progress=progress, ylabel="cross-entropy on the target")

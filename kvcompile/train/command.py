@@ -38,6 +38,8 @@ def add_parser(sub) -> None:
     tr.add_argument("--recipe", default="h2o", help="sparse-finetune: the compression the adapter learns to read")
     tr.add_argument("--budget", type=float, default=0.25, help="sparse-finetune: the recipe's budget while training")
     tr.add_argument("--rank", type=int, default=8, help="the adapters: LoRA rank (q, k, v, o projections)")
+    tr.add_argument("--control", action="store_true", help="abstain: train on random masks at the compressors' "
+                    "retention instead (the random-mask control), written as abstain-control-<model>")
     tr.add_argument("--continuation", type=int, default=64, help="sparse-finetune: tokens read after each "
                     "compressed context, where the loss is taken")
     tr.add_argument("--out", default=None, help="weights folder (default $KVCOMPILE_WEIGHTS or "
@@ -60,7 +62,8 @@ def run(args) -> int:
     lengths = tuple(int(n) for n in opts["lengths"].split(","))
     common = dict(name=args.model, schedule=schedule, held_out=opts["held_out"], out=args.out, run_dir=args.run_dir)
     if kind == "abstain":
-        card = abstain.finetune(model, tok, rank=args.rank, length=lengths[0], n=opts["per_length"], **common)
+        card = abstain.finetune(model, tok, rank=args.rank, length=lengths[0], n=opts["per_length"],
+                                control=args.control, **common)
     elif kind == "sparse-finetune":
         card = sparse_finetune.finetune(model, tok, recipe=args.recipe, budget=args.budget, rank=args.rank,
                                         continuation=args.continuation, lengths=lengths,
