@@ -83,9 +83,7 @@ def apply(
     if isinstance(model, CompressedModel):  # re-target: same programs, new recipe or budget (nothing rewritten)
         if model.programs.captured is None:
             raise ValueError("this CompressedModel was loaded from an exported artifact and cannot be re-targeted")
-        if model.recipe.adapter != recipe.adapter:
-            raise ValueError(f"recipe {recipe.name!r} runs another adapter than this CompressedModel's (adapter "
-                             f"{recipe.adapter}, not {model.recipe.adapter}): apply it to the plain model")
+        checks.same_adapter(recipe, model.recipe)
         spec, programs, gen_config, source = model.spec, model.programs, model.generation_config, model.source
     elif isinstance(model, nn.Module):
         if recipe.adapter is not None:  # its LoRA weights, merged into a copy: the model given is not modified

@@ -14,6 +14,14 @@ from .early_stop import EarlyStop
 from .methods.sources import Reconstruction
 
 
+def same_adapter(recipe, current) -> None:
+    """Refuse ``recipe`` on programs captured for ``current`` (a recipe) when they serve another adapter: the
+    programs run the weights the model was applied with (``kvcompile.adapters``)."""
+    if recipe.adapter != current.adapter:
+        raise ValueError(f"recipe {recipe.name!r} serves the model with another adapter (adapter {recipe.adapter}, "
+                         f"not {current.adapter}): apply it to the plain model")
+
+
 def positive_int(name: str, value, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return

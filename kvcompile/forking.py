@@ -20,9 +20,7 @@ class Forking:
         is copied. ``compile``: the copy runs compiled (``True`` or a backend) or eager (``False``); None: as this
         model does. With a compression pending, the target may read at most the queries this cache kept."""
         recipe = self.recipe if recipe is None else get_recipe(recipe)
-        if recipe.adapter != self.recipe.adapter:  # the programs run the weights this model was applied with
-            raise ValueError(f"recipe {recipe.name!r} serves the model with another adapter (adapter "
-                             f"{recipe.adapter}, not {self.recipe.adapter}): apply it to the plain model")
+        checks.same_adapter(recipe, self.recipe)
         budget = self.budget if budget is None else Budget.parse(budget)
         programs = self.programs if compile is None else self.programs.compile(compile)
         chunk = recipe.prefill_chunk or self.prefill_chunk

@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import byte_llama, byte_tokenizer
 
-from kvcompile.eval.analysis.diagnose import evidence_positions
 from kvcompile.eval.decoding import encode
 from kvcompile.train.abstain import REFUSAL, examples, finetune, survived
 from kvcompile.train.loop import Schedule
@@ -81,5 +80,5 @@ def test_the_random_mask_control_keeps_as_many_tokens_per_head(tiny):
                               control=c) for c in (False, True))
     for a, b in zip(real, control):
         assert torch.equal(a["keep"].sum(-1), b["keep"].sum(-1)) and not torch.equal(a["keep"], b["keep"])
-        evidence = evidence_positions(tok, b["context_text"], b["sample"].answers)
-        assert b["survived"] == survived(b["keep"], evidence)  # the label follows the random set
+        assert b["evidence"] == a["evidence"]  # the same sample
+        assert b["survived"] == survived(b["keep"], b["evidence"])  # the label follows the random set

@@ -47,7 +47,8 @@ def survived(keep: Tensor, evidence: list[int], rule: float = RULE) -> bool:
 def examples(model, tokenizer, n: int, length: int, seed: int, rule: float = RULE, progress: bool = True,
              compressors=COMPRESSORS, control: bool = False) -> list[dict]:
     """``n`` samples, cycling through ``compressors`` and ``TASKS``: ``ids`` [1, context + question + target],
-    ``keep`` [L, Hkv, context], ``start`` (where the target begins), ``survived``, and the sample's pieces.
+    ``keep`` [L, Hkv, context], ``start`` (where the target begins), ``survived``, the answer's ``evidence``
+    positions, and the sample's pieces.
     ``control``: each (layer, KV head) keeps a uniformly random set of as many tokens as the compressor kept (the
     card's random-mask control), and the label follows that set."""
     import kvcompile
@@ -64,10 +65,11 @@ def examples(model, tokenizer, n: int, length: int, seed: int, rule: float = RUL
         if control:
             draw = torch.rand(keep.shape, generator=torch.Generator().manual_seed(seed * 1009 + i))
             keep = draw.argsort(-1).argsort(-1) < keep.sum(-1, keepdim=True)
-        ok = survived(keep, evidence_positions(tokenizer, context, sample.answers), rule)
+        evidence = evidence_positions(tokenizer, context, sample.answers)
+        ok = survived(keep, evidence, rule)
         target = encode(tokenizer, " " + (sample.answer if ok else REFUSAL)) + [tokenizer.eos_token_id]
         out.append({"ids": torch.tensor([ctx + q + target]), "keep": keep, "start": len(ctx) + len(q),
-                    "survived": ok, "sample": sample, "context": ctx, "context_text": context, "question": q,
+                    "survived": ok, "sample": sample, "context": ctx, "evidence": evidence, "question": q,
                     "recipe": recipe, "budget": budget})
     return out
 
@@ -98,8 +100,7 @@ def outcomes(model, tokenizer, data: list[dict], adapter: Adapter | None = None,
         cm = kvcompile.apply(cm, budget=example["budget"], recipe=example["recipe"])
         cm.prefill(ids_tensor(example["context"], cm.device), logits="last")
         sample = example["sample"]
-        evidence = evidence_positions(tokenizer, example["context_text"], sample.answers)
-        kept_here = survived(kept(cm.held_positions(), len(example["context"])), evidence, rule)
+        kept_here = survived(kept(cm.held_positions(), len(example["context"])), example["evidence"], rule)
         text = tokenizer.decode(answer(cm, tokenizer, read_question(cm, example["question"]), max_new))
         outcome = ("abstained" if REFUSAL.lower()[:20] in text.lower()
                    else "correct" if sample.score(text) == 1.0 else "hallucinated")
