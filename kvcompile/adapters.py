@@ -52,19 +52,21 @@ class Adapter(nn.Module):
         return self.scale * self.b[key] @ self.a[key]
 
     @contextlib.contextmanager
-    def installed(self, model: nn.Module):
-        """Within the block, ``model``'s adapted projections add x A^T B^T * scale (gradients reach A and B)."""
+    def installed(self, model: nn.Module, tokens: Tensor | None = None):
+        """Within the block, ``model``'s adapted projections add x A^T B^T * scale (gradients reach A and B), at
+        every token, or only where ``tokens`` [T] is True (RestoreKV's restore tokens, in a pass over more)."""
         modules = dict(model.named_modules())
-        hooks = [modules[key.replace("/", ".")].register_forward_hook(self._hook(key)) for key in self.a]
+        hooks = [modules[key.replace("/", ".")].register_forward_hook(self._hook(key, tokens)) for key in self.a]
         try:
             yield model
         finally:
             for h in hooks:
                 h.remove()
 
-    def _hook(self, key: str):
+    def _hook(self, key: str, tokens: Tensor | None):
         def add(module, args, out):
-            return out + (args[0].to(self.a[key].dtype) @ self.a[key].T @ self.b[key].T * self.scale).to(out.dtype)
+            delta = args[0].to(self.a[key].dtype) @ self.a[key].T @ self.b[key].T * self.scale
+            return out + (delta if tokens is None else delta * tokens[:, None]).to(out.dtype)
         return add
 
     @torch.no_grad()

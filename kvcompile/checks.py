@@ -150,15 +150,22 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
                          f"('snapkv+{recipe.format}') or raise the budget")
 
 
-def dense_pass(recipe, source, prefill_chunk, schedule) -> None:
-    """A scorer that reads ``Gradients`` or ``HiddenStates`` runs the source model densely over the whole context at
-    its one compression: refuse a model without a source (a loaded artifact), chunked prefill and decode-time
-    schedules, which compress parts of a context."""
+def dense_pass(recipe, source, prefill_chunk, schedule, allocator, restores: int = 0) -> None:
+    """A scorer that reads ``Gradients``, ``HiddenStates`` or ``Restore`` runs the source model densely over the whole
+    context at its one compression: refuse a model without a source (a loaded artifact), chunked prefill and
+    decode-time schedules, which compress parts of a context. ``restores`` > 0 (``Restore``): the pass runs a
+    transformers model on embeddings, and its entries are kept through a per-token plan in the model's dtype."""
     who = f"recipe {recipe.name!r} runs a dense pass of the source model over the context"
     if source is None:
         raise NotImplementedError(f"{who}; a model loaded from an artifact has none: apply the recipe to the model")
     if prefill_chunk or schedule is not None:
         raise ValueError(f"{who} at one compression: not with prefill_chunk or a decode-time schedule")
+    if restores and not hasattr(getattr(source, "config", None), "num_hidden_layers"):
+        raise NotImplementedError(f"recipe {recipe.name!r} runs its restore pass on a transformers causal LM "
+                                  f"(inputs_embeds, past_key_values); got {type(source).__name__}")
+    if restores and (allocator.strategy != "tokens" or recipe.format is not None):
+        raise NotImplementedError(f"recipe {recipe.name!r} keeps its restore entries through a per-token allocator in "
+                                  f"the model's dtype, not {allocator.strategy!r} / {recipe.format}")
 
 
 def keep_last(n, seen: int, recipe, scorer, allocator) -> None:

@@ -11,6 +11,7 @@ eviction and quantization together.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -45,21 +46,22 @@ def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...]
     return out, (() if not stats or stats[0] is None else (torch.stack(stats),))
 
 
-def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int) -> Tensor:
+def fit_to_pages(counts: Tensor, max_pages: Tensor, page_size: int, floor: Tensor | None = None) -> Tensor:
     """Round the heads with the smallest partial page down until each sequence fits ``max_pages`` [B] pages.
 
-    Heads that would be left empty are rounded down last.
+    Heads that would be left empty are rounded down last; none goes below ``floor`` [L, B, Hkv] (then it may not fit).
 
     counts [L, B, Hkv]. If the counts sum to at most ``max_pages * page_size`` tokens, the overflow is at most the
-    number of partly filled pages, so rounding that many heads down always suffices.
+    number of partly filled pages, so rounding that many heads down always suffices (without a floor).
     """
     L, B, Hkv = counts.shape
     flat = counts.permute(1, 0, 2).reshape(B, L * Hkv)
     rem = flat % page_size
     over = ((flat + page_size - 1) // page_size).sum(-1) - max_pages  # [B]
     cost = rem + page_size * (flat < page_size)  # emptying a head is the last resort
-    order = cost.masked_fill(rem == 0, 2 * page_size).argsort(dim=-1, stable=True).argsort(dim=-1)
-    cut = (order < over[:, None]) & (rem > 0)
+    stays = rem == 0 if floor is None else (rem == 0) | (flat - rem < floor.permute(1, 0, 2).reshape(B, L * Hkv))
+    order = cost.masked_fill(stays, 2 * page_size).argsort(dim=-1, stable=True).argsort(dim=-1)
+    cut = (order < over[:, None]) & ~stays
     flat = torch.where(cut, flat - rem, flat)
     return flat.reshape(B, L, Hkv).permute(1, 0, 2).contiguous()
 
@@ -74,17 +76,25 @@ def out_of_window(cache: PagedKVCache, layers, seen: Tensor) -> Tensor:
 
 
 def token_counts(cache: PagedKVCache, allocator: Allocator, scores: Tensor, stats, budget_bytes: Tensor,
-                 lengths: Tensor) -> Tensor:
+                 lengths: Tensor, floor: Tensor | None = None) -> Tensor:
     """[L, B, Hkv] tokens each head keeps: the allocator's counts, at most ``lengths`` (what it holds that is still
-    visible: ``out_of_window``), fit to whole pages."""
-    counts = allocator.allocate(scores, lengths, budget_bytes // cache.stored_token_bytes, *stats)
-    return fit_to_pages(counts.long().clamp(min=0).minimum(lengths), budget_bytes // cache.stored_page_bytes,
-                        cache.page_size)
+    visible: ``out_of_window``), fit to whole pages, none below ``floor`` (restore entries, ranked first: the
+    allocator is asked again for fewer tokens while the pages they leave do not fit)."""
+    tokens, max_pages = budget_bytes // cache.stored_token_bytes, budget_bytes // cache.stored_page_bytes
+    while True:
+        counts = allocator.allocate(scores, lengths, tokens, *stats).long().clamp(min=0).minimum(lengths)
+        counts = fit_to_pages(counts, max_pages, cache.page_size, floor)
+        over = cache.pages_held(counts).sum((0, 2)) - max_pages
+        if floor is None or not bool((over > 0).any()):
+            return counts
+        tokens = tokens - over.clamp_min(0) * cache.page_size
+        if bool((tokens < floor.sum((0, 2))).any()):  # steps refuses such a budget before reading: not reached
+            raise ValueError("the budget cannot hold the pages of the entries every head must keep")
 
 
-def plan_tokens(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
-    """Each head keeps its ``token_counts`` best tokens, pinned ones first."""
-    counts = token_counts(cache, allocator, scores, stats, budget_bytes, lengths)
+def plan_tokens(cache, allocator, scores, stats, budget_bytes, layers, lengths, floor=None) -> Plan:
+    """Each head keeps its ``token_counts`` best tokens (at least ``floor``), pinned ones first."""
+    counts = token_counts(cache, allocator, scores, stats, budget_bytes, lengths, floor)
     return select(scores, counts, pinned_levels(scores, is_pinned(scores)))
 
 
@@ -188,11 +198,16 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     dead = _padded(out_of_window(cache, layers, cache.seen if seen is None else seen), scores.shape[-1])
     lengths = cache.held().long() - dead.sum(-1)
     scores = scores.masked_fill(aside | dead, float("-inf"))
+    restored = _restored(cache, (dense or {}).get("restored"), scores.shape[-1])
+    floor = None if restored is None else restored.sum(-1)
+    if restored is not None:  # kept first, above every pin (KVzip's sinks), and charged like any token
+        scores = scores.masked_fill(restored, torch.finfo(torch.float32).max)
     if precise_recent or anchors:  # kept apart: the scored tokens compete for what the window leaves of the budget
         window = _padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes
-    plan = STRATEGIES[allocator.strategy](cache, allocator, scores, stats, budget_bytes, layers, lengths)
+    strategy = STRATEGIES[allocator.strategy] if floor is None else partial(plan_tokens, floor=floor)
+    plan = strategy(cache, allocator, scores, stats, budget_bytes, layers, lengths)
     if apart or bool(dead.any()):
         plan = Plan.of_mask(plan.kept(scores.shape[-1]) & ~dead | aside, new=plan.new)
     if cache.page_format is not None:
@@ -246,6 +261,16 @@ def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging: ValueMerging
     for layer in layers:
         keys, values, _, valid = cache.dense(layer.index)
         cache.rewrite(layer.index, values=merging.merge(keys, values, valid, _padded(kept[layer.index], keys.shape[2])))
+
+
+def _restored(cache: PagedKVCache, restored: tuple[Tensor, int] | None, S: int) -> Tensor | None:
+    """[L, B, Hkv, S] True at the restore entries (``observation.reconstructing``'s ``"restored"``: [B] where each
+    row's begin, how many), None when there are none."""
+    if restored is None:
+        return None
+    start, n = restored
+    pos = F.pad(cache.positions(), (0, S), value=-1)[..., :S]
+    return (pos >= start[None, :, None, None]) & (pos < start[None, :, None, None] + n)
 
 
 def _padded(mask: Tensor, S: int) -> Tensor:

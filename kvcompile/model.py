@@ -58,7 +58,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
         self.reads_dense = observation.reads_dense(sources)
         if self.reads_dense:
-            checks.dense_pass(recipe, source, prefill_chunk, self.schedule)
+            checks.dense_pass(recipe, source, prefill_chunk, self.schedule, self.allocator, observation.restores(sources))
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                   page_size=page_size, device=device, keep_ids=observation.keeps_ids(sources),
                                   page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES)

@@ -22,12 +22,15 @@ from .methods import Observation
 from .attention_inputs import attention_inputs
 from .gradients import attention_output_gradients
 from .methods.sources import (
-    ContextTokens, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Segments, Source,
+    ContextTokens, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Restore, Segments,
+    Source,
 )
+from .restoring import restore
 from .segments import segment_of
 from .spec import LayerSpec
 
-SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments, Gradients, HiddenStates)
+SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments, Gradients, HiddenStates,
+            Restore)
 
 
 def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] = ()) -> None:
@@ -64,10 +67,15 @@ def window(sources: tuple[Source, ...]) -> int:
 
 
 def reads_dense(sources: tuple[Source, ...]) -> bool:
-    """Whether compression runs the source model densely over every token read (``Gradients``, ``HiddenStates``):
-    the context must then be read in one go, before any compression, by a model built from a source model (not a
-    loaded artifact)."""
-    return any(isinstance(s, (Gradients, HiddenStates)) for s in sources)
+    """Whether compression runs the source model densely over every token read (``Gradients``, ``HiddenStates``,
+    ``Restore``): the context must then be read in one go, before any compression, by a model built from a source
+    model (not a loaded artifact)."""
+    return any(isinstance(s, (Gradients, HiddenStates, Restore)) for s in sources)
+
+
+def restores(sources: tuple[Source, ...]) -> int:
+    """Restore entries per (layer, KV head) the sources ask the runtime to write before compressing (``Restore``)."""
+    return sum(s.tokens for s in sources if isinstance(s, Restore))
 
 
 def observe(cache: PagedKVCache, layer: LayerSpec, dense: dict | None = None) -> Observation:
@@ -105,8 +113,9 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
     (and ``dense``), run ``source`` densely over them for each layer's attention input; when ``scorer`` declares a
     ``Reconstruction``, prefill its prompt with the ring cleared, so the window holds the prompt's queries alone,
     and afterwards drop the prompt's tokens (``PagedKVCache.drop_from``); ``prefill(ids, real)`` runs one prefill
-    step. Yields a dict: ``"hidden"`` [L, B, P, hidden] (``attention_inputs``), and with ``Gradients`` (and
-    ``dense``) ``"gradients"``, the gradient norms [L, B, W] of the window's queries, from one dense backward pass
+    step. With ``Restore`` (and ``dense``), the restore entries are appended first (``restoring``) and stay. Yields a
+    dict: ``"hidden"`` [L, B, P, hidden] (``attention_inputs``), ``"restored"`` ([B] the position of each row's first
+    restore entry, how many per head), and with ``Gradients`` (and ``dense``) ``"gradients"``, the gradient norms [L, B, W] of the window's queries, from one dense backward pass
     of ``source`` over ``input_ids`` and the prompt. A dense pass replays every token the cache read: checked."""
     sources = scorer.sources() if scorer is not None and input_ids is not None else ()
     seen, supplied = cache.seen.clone(), {}
@@ -115,6 +124,9 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
                          "compressed earlier: read the prompt in one prefill, before any compression")
     if dense and any(isinstance(s, HiddenStates) for s in sources):
         supplied["hidden"] = attention_inputs(source, input_ids.to(cache.device), real.to(cache.device))
+    if dense and restores(sources):  # entries that stay: the reconstruction comes after
+        supplied["restored"] = (restore(cache, source, *scorer.restore_inputs()), restores(sources))
+        seen = cache.seen.clone()
     if not any(isinstance(s, Reconstruction) for s in sources):
         yield supplied
         return

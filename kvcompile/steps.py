@@ -80,9 +80,24 @@ class Steps:
             budget_tokens = read if fresh else self.context_tokens + read.to(self.context_tokens)
         self._refuse_overflowing_window(read, budget_tokens, fresh)
 
+    def _refuse_unrestorable(self, budget_tokens: Tensor) -> None:
+        """Raise, before anything changes, when a budget cannot hold a page for the restore entries of every
+        (layer, KV head) (``Restore``: they are kept, and charged, whatever else is evicted)."""
+        n = observation.restores(self.scorer.sources()) if self.scorer is not None and not self.budget.is_full else 0
+        if not n:
+            return
+        cache, P = self.cache, self.cache.page_size
+        need = cache.num_layers * cache.num_kv_heads * -(-n // P) * cache.page_bytes
+        budget = int(cache.budget_bytes(self.budget, budget_tokens.cpu()).min())
+        if budget < need:
+            raise ValueError(f"recipe {self.recipe.name!r} keeps {n} restore entries in every (layer, KV head): "
+                             f"{need} bytes in pages of {P}; the budget holds {budget} bytes for this context: raise "
+                             "the budget or read a longer context")
+
     def _refuse_overflowing_window(self, read: Tensor, budget_tokens: Tensor, fresh: bool) -> None:
         """Raise, before anything changes, when a format recipe's compression could not hold the budget once ``read``
-        [B] more tokens are read (``compress.check_fits``)."""
+        [B] more tokens are read (``compress.check_fits``), or a restoring recipe's (``_refuse_unrestorable``)."""
+        self._refuse_unrestorable(budget_tokens)
         if self.recipe.format is None:  # nothing to check: no budget is worked out for a prefill that cannot fail
             return
         seen = read if fresh else self.seen + read.to(self.seen)

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from ..kernels import reference
-from ..plan import Plan
+from ..plan import NewEntries, Plan
 from .accounting import ByteAccounting
 from .formatted import FORMAT_TENSORS, FormatPool
 from .pages import MIN_WIDTH, PagePool
@@ -149,6 +149,15 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
         self.lengths += n_new.to(torch.int32)[None, :, None]
         self.room, self.appended = max(self.room - T, 0), self.appended + T
         return Step(pos.clamp_min(0), q_pos, slots, ring_slots)
+
+    def append_entries(self, keys: Tensor, values: Tensor) -> None:
+        """Append the entries ``keys``, ``values`` [L, B, Hkv, n, D] (computed outside the programs: a restore pass)
+        to every head as the next n tokens of each row; no query of theirs is observed."""
+        start, before = self.seen.clone(), self.lengths.clone()
+        step = self.append(torch.ones(self.batch_size, keys.shape[-2], dtype=torch.bool, device=self.device))
+        positions = step.position_ids[None, :, None].expand(*keys.shape[:-1])
+        self._write_new(before, NewEntries(keys, values, positions, torch.full_like(before, keys.shape[-2])))
+        self.ring.forget_from(start)
 
     def _log_ids(self, ids: Tensor, q_pos: Tensor) -> None:
         """Write the step's token ids at their positions; the log grows by doubling, sized by an upper bound of

@@ -11,7 +11,7 @@ from . import cam, growpage, h2o_decode, inertiakv, random_attention, snapkv_dec
 from . import chunks, composed, lukv, per_layer, scorer_decode  # noqa: F401  (registration: kvpress's wrappers)
 from . import duoattention, headwisekv, simlayerkv, streaming_heads, transactional  # noqa: F401  (registration: by structure)
 from . import step_units  # noqa: F401  (registration: steps as units)
-from . import dms, fastkvzip, kvpop, kvzap  # noqa: F401  (registration: learned scorers)
+from . import dms, fastkvzip, kvpop, kvzap, restorekv  # noqa: F401  (registration: learned scorers)
 from .base import ALLOCATORS, SCORERS, Allocator, Observation, Scorer
 
 __all__ = ["ALLOCATORS", "SCORERS", "Allocator", "Observation", "Scorer"]

@@ -60,6 +60,16 @@ class HiddenStates(Source):
 
 
 @dataclass(frozen=True)
+class Restore(Source):
+    """``tokens`` restore entries per (layer, KV head), written before compressing: one dense forward of the source
+    model, with the method's LoRA adapter on, over its learned embeddings (``Scorer.restore_inputs``) at the next
+    ``tokens`` positions, attending to the whole cache (``kvcompile.restoring``). They are ordinary cache entries,
+    kept before anything else and charged to the budget (RestoreKV)."""
+
+    tokens: int
+
+
+@dataclass(frozen=True)
 class ExtraPass(Source):
     """A second forward pass over the context with a method's own inputs (not supplied yet)."""
 

@@ -16,6 +16,7 @@ _KVZAP_HIDDEN_SHA = "9a85fd66554033fa087944b6521ded3f452d5ffcd6c0a0b52f53a8f7c71
 _KVPOP_SHA = "e231e3e4f0632921e65c7961793b7076464a542ac8a18e7bd670f000793a10a5"
 _KVPOP_DELAYED_SHA = "154b74f06728ee3e0eef4bfae542ec778f193cb6ea5d9067402dee42dd070683"
 _SPARSE_FINETUNE_SHA = "053e56d64aa25ff7626a0d1d8d64fd9da638cff1997237d67502c25e51aba708"
+_RESTOREKV_SHA = "18a4ca55fcc3ea5796cdc614165a1a74ce3701d5dc9ffc787b709642cbc20958"
 _ABSTAIN_SHA = "879fae9961311a8626ae4d755841b03429a90a822dad1aee637ab1ad9bc6e0cc"
 _H2O_ARGS = {"window": 8192, "block": 256, "heavy_ratio": 0.5}  # the h2o recipe's
 _DMS_ARGS = {"base": "kvzap", "base_args": {"weights": "smollm2-135m", "sha256": _KVZAP_SHA}, "window": 128}
@@ -66,6 +67,14 @@ LEARNED = [
            inferred=_KVZAP + "; while decoding, the tokens that left the newest 128 are decided every 16 steps "
            "(DMS: each as it leaves), kept iff scored >= tau; the budget, counted over every token read, caps what "
            "is kept; tau -4 from kvpress's README, not tuned here"),
+    Recipe("restorekv", "restorekv", "global-topk", {"weights": "smollm2-135m", "sha256": _RESTOREKV_SHA},
+           trained_for="smollm2-135m", source="https://arxiv.org/abs/2608.01247 (kvpress RestoreKVPress, METHODS.md "
+           "§40)", provenance="peer",
+           inferred="kvzip (no instruction, one chunk; kvpress: KVzip+) with 8 restore tokens: embeddings and a "
+           "rank-8 LoRA (q, k, v, o; the paper's also the MLP) trained here by self-distillation on 12 offline "
+           "contexts of 768 tokens, each at budgets 0.05, 0.1 and 0.25 (the continuation's KL to the full-cache "
+           "model; the paper: self-study questions about long documents); 150 steps of 2; the restore pass runs before KVzip's reconstruction "
+           "(kvpress: after scoring); the restore entries are kept first and charged to the budget"),
     Recipe("sparse-finetune-h2o", "h2o", "uniform", _H2O_ARGS, trained_for="smollm2-135m",
            adapter={"method": "sparse-finetune-h2o", "weights": "smollm2-135m", "sha256": _SPARSE_FINETUNE_SHA},
            source="awslabs/keys_values (fine-tuning under H2O, METHODS.md §21)", provenance="peer",

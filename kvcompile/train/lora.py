@@ -10,26 +10,27 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable
 
-from ..adapters import Adapter
+from ..adapters import TARGETS, Adapter
 from ..methods import learned
 from .loop import Schedule, fit, plot_losses
 
 
 def train_lora(model, method: str, name: str, loss: Callable, examples: int, measure: Callable[[Adapter], dict],
                card: dict, *, schedule: Schedule, rank: int, out=None, run_dir=None, progress: bool = True,
-               ylabel: str = "loss") -> dict:
-    """Fit a rank-``rank`` adapter of ``model`` (frozen) to ``loss(adapter, indices)`` over ``examples`` examples,
-    then write it with ``card`` + the run's facts + ``measure(adapter)`` (held-out numbers) as its card."""
+               ylabel: str = "loss", net=None) -> dict:
+    """Fit a rank-``rank`` adapter of ``model`` (frozen), or ``net`` (a module holding one: RestoreKV's), to
+    ``loss(adapter, indices)`` over ``examples`` examples, then write it with ``card`` + the run's facts +
+    ``measure(adapter)`` (held-out numbers) as its card."""
     import kvcompile
 
     started = time.perf_counter()
     out = Path(out) if out is not None else learned.trained_root()
     run_dir = Path(run_dir) if run_dir is not None else out / "runs" / f"{method}-{name}-seed{schedule.seed}"
     model.requires_grad_(False)
-    adapter = Adapter(model, rank=rank, seed=schedule.seed)
+    adapter = net if net is not None else Adapter(model, rank=rank, seed=schedule.seed)
     losses = fit(adapter, loss, examples, schedule, run_dir, progress)
     plot_losses(losses, run_dir / "loss.png", f"{method} on {name}", ylabel=ylabel)
-    card = {"method": method, "model": name, "form": f"lora-rank{rank}-{'-'.join(adapter.targets)}",
+    card = {"method": method, "model": name, "form": f"lora-rank{rank}-{'-'.join(TARGETS)}",
             "library_version": kvcompile.__version__, "schedule": asdict(schedule), **card,
             "initial_loss": losses[0], "final_loss": losses[-1], **measure(adapter)}
     card["seconds"] = round(time.perf_counter() - started, 1)
