@@ -169,6 +169,10 @@ def test_compositions_by_name_version_and_errors():
         kvcompile.get_recipe("composed+snapkv").build()  # what apply calls first
     with pytest.raises(ValueError, match="needs a recipe that evicts"):
         kvcompile.get_recipe("chunkkv+full")
+    for recipe in kvcompile.recipes().values():  # a wrapper takes every recipe that evicts, whatever its evidence
+        if recipe.scorer is not None:  # the weaker evidence of the two (chunkkv: a peer's code)
+            weaker = "peer" if recipe.provenance in ("official-code", "paper") else recipe.provenance
+            assert kvcompile.get_recipe(f"chunkkv+{recipe.name}").provenance == weaker, recipe.name
 
 
 COMPOSED = ["chunkkv+snapkv", "entropy-gated-chunkkv+snapkv", "chunk+snapkv", "block+keydiff", "decoding+knorm",

@@ -12,6 +12,7 @@ from . import chunks, composed, lukv, per_layer, scorer_decode  # noqa: F401  (r
 from . import duoattention, headwisekv, simlayerkv, streaming_heads, transactional  # noqa: F401  (registration: by structure)
 from . import step_units  # noqa: F401  (registration: steps as units)
 from . import dms, fastkvzip, kvpop, kvzap, restorekv  # noqa: F401  (registration: learned scorers)
+from . import taskpress  # noqa: F401  (registration: quantization scales as scores)
 from .base import ALLOCATORS, SCORERS, Allocator, Observation, Scorer
 
 __all__ = ["ALLOCATORS", "SCORERS", "Allocator", "Observation", "Scorer"]

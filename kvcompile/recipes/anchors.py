@@ -1,7 +1,9 @@
-"""Transactional Attention's anchor patterns as a tokenizer spells them (``methods.transactional``).
+"""Text a recipe names, as a tokenizer spells it: Transactional Attention's anchor patterns
+(``methods.transactional``) and TaskPress's meta-query (``methods.taskpress``).
 
-Anchors are strings (``password:``) but ``ta`` and ``ta-fast`` match token ids, and methods import only torch:
-this module turns the patterns into id sequences for one tokenizer and fills them into a recipe. The evaluation harness
+Anchors are strings (``password:``) but ``ta`` and ``ta-fast`` match token ids, a meta-query is read as token ids,
+and methods import only torch: this module turns the text into id sequences for one tokenizer and fills them into
+a recipe. The evaluation harness
 (``eval.sweep.run``) resolves every recipe it is given; a user of ``apply`` resolves once::
 
     recipe = kvcompile.recipes.anchors.resolve("ta-fast+snapkv", tok)
@@ -13,12 +15,15 @@ Passing ``patterns`` is the allow-list: only those anchors sponsor (the paper's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+from ..methods import SCORERS
 from . import Recipe, get_recipe
 
 PATTERNS = ("password:", "passwd:", "key:", "api_key:", "token:", "token=", "secret:", "id:", "pin:", "code:")
 DELIMITERS = ("\n", '"', "'")  # a value ends before the first token holding one of these characters (ta-fast)
 TRANSACTIONAL = ("ta", "ta-fast")  # the scorers that match anchors
+META_QUERY = ("taskpress",)  # the scorers that read a meta-query
 
 
 def anchor_ids(tokenizer, patterns=PATTERNS) -> list[list[int]]:
@@ -40,29 +45,44 @@ def delimiter_ids(tokenizer, delimiters=DELIMITERS) -> list[int]:
 
 
 def resolve(recipe: str | Recipe, tokenizer, patterns=PATTERNS) -> Recipe:
-    """``recipe`` with every ``ta`` / ``ta-fast`` among its scorers given ``patterns`` (and ``ta-fast`` the
-    delimiters) as ``tokenizer``'s ids (anchors given already are kept); any other recipe is returned as it is.
-    To compress while decoding, wrap the resolved recipe: ``compose("decoding", resolve("ta-fast+snapkv", tok))``."""
+    """``recipe`` with its text as ``tokenizer``'s ids: every ``ta`` / ``ta-fast`` among its scorers given
+    ``patterns`` (and ``ta-fast`` the delimiters), every ``taskpress`` its meta-query (``instruction_ids``); ids given
+    already are kept, and a recipe without such text is returned as it is. To compress while decoding, wrap the
+    resolved recipe: ``compose("decoding", resolve("ta-fast+snapkv", tok))``."""
     recipe = get_recipe(recipe)
-    if not _needs(recipe.scorer, recipe.scorer_args):
-        return recipe
-    filled = {"anchors": anchor_ids(tokenizer, patterns)}
-    if _needs(recipe.scorer, recipe.scorer_args, ("ta-fast",)):
-        filled["delimiters"] = delimiter_ids(tokenizer)
-    return dataclasses.replace(recipe, scorer_args=_filled(recipe.scorer, recipe.scorer_args, filled))
+    args = _filled(recipe.scorer, recipe.scorer_args, _Spelling(tokenizer, patterns))
+    return recipe if args == recipe.scorer_args else dataclasses.replace(recipe, scorer_args=args)
 
 
-def _needs(scorer: str | None, args: dict, kinds=TRANSACTIONAL) -> bool:
-    """Whether one of ``kinds`` without anchors is ``scorer`` or any base it wraps."""
-    if scorer in kinds and args.get("anchors") is None:
-        return True
-    return "base" in args and _needs(args["base"], args.get("base_args", {}), kinds)
+@dataclasses.dataclass
+class _Spelling:
+    """One tokenizer's ids for what a recipe names, each computed once (the delimiters read the whole vocabulary)."""
+
+    tokenizer: object
+    patterns: tuple
+
+    @functools.cached_property
+    def anchors(self) -> list[list[int]]:
+        return anchor_ids(self.tokenizer, self.patterns)
+
+    @functools.cached_property
+    def delimiters(self) -> list[int]:
+        return delimiter_ids(self.tokenizer)
+
+    def text(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def _filled(scorer: str, args: dict, filled: dict) -> dict:
+def _filled(scorer: str | None, args: dict, spelling: _Spelling) -> dict:
+    """``args`` of ``scorer`` (and of every base it wraps) with their text spelled, where no ids were given."""
     args = dict(args)
     if "base" in args:
-        args["base_args"] = _filled(args["base"], args.get("base_args", {}), filled)
+        args["base_args"] = _filled(args["base"], args.get("base_args", {}), spelling)
     if scorer in TRANSACTIONAL and args.get("anchors") is None:
-        args.update(filled if scorer == "ta-fast" else {"anchors": filled["anchors"]})  # TA reads no delimiters
+        args["anchors"] = spelling.anchors
+        if scorer == "ta-fast" and args.get("delimiters") is None:  # TA reads no delimiters
+            args["delimiters"] = spelling.delimiters
+    if scorer in META_QUERY and not args.get("instruction_ids"):
+        text = args.get("meta_query", SCORERS[scorer].__dataclass_fields__["meta_query"].default)
+        args["instruction_ids"] = spelling.text(text) if text else ()
     return args

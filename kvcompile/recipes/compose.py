@@ -77,7 +77,7 @@ _WRAPPERS = [  # (role, template)
 ]
 WRAPPERS: dict[str, Recipe] = {r.name: r for _, r in _WRAPPERS}
 ROLE: dict[str, str] = {r.name: role for role, r in _WRAPPERS}
-_STRENGTH = ("official-code", "paper", "peer", "abstract", "control", "custom")  # strongest evidence first
+_STRENGTH = ("official-code", "paper", "peer", "abstract", "description", "control", "custom")  # strongest first
 
 
 def compose(*parts: str | Recipe, **args) -> Recipe:

@@ -1,5 +1,6 @@
 """Built-in recipes that are page formats of their own (``kernels.formats``): ThinK's pruned keys, Minima-KV's
-TQ3 pages beside anchor pages. Listed after the other built-ins (``builtin``)."""
+TQ3 pages beside anchor pages; and TaskPress, which ranks by what a quantized page stores. Listed after the other
+built-ins (``builtin``)."""
 
 from __future__ import annotations
 
@@ -22,4 +23,10 @@ FORMAT_RECIPES = [
                     "anchor and recent pages stay in the model's dtype, not FP8 (this cache holds one format pool "
                     "beside the model-dtype pool); anchors are pages of the cache's page size in positions; while "
                     "decoding, every 32 tokens, those that left the window and are no anchors move to TQ3"),
+    Recipe("taskpress", "taskpress", scorer_args={"window": 8192, "n_sink": 4, "bits": 4, "group": 32},
+           source="METHODS.md section 19 (TaskPress; no paper, code or summary found)", provenance="description",
+           inferred="all of it: the meta-query 'Answer the question about the text above.' read once after the "
+                    "context (its ids for a tokenizer: recipes.anchors.resolve), KVzip's probe of its attention "
+                    "(max over its tokens and the GQA group) times each value's int4 quantization step (groups of "
+                    "32), 4 sinks, a uniform budget per head; pair with '+int4' to store what the scale describes"),
 ]
