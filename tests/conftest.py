@@ -63,6 +63,21 @@ def byte_llama():
     return tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 
+class TinyTokenizer:
+    """Spells text for the tiny models (vocabulary ``VOCAB``) as a user's tokenizer does for theirs, one id per
+    character, so ``kvcompile.recipes.anchors.resolve`` can fill a recipe's text (TaskPress's meta-query)."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [2 + ord(c) % (VOCAB - 3) for c in text]
+
+
+def spelled(recipe):
+    """``recipe`` resolved for the tiny models' vocabulary, as a user resolves it for their tokenizer."""
+    from kvcompile.recipes import anchors
+
+    return anchors.resolve(recipe, TinyTokenizer())
+
+
 def stored_rows(db) -> dict:
     """A results store's rows by key, wall and write time left out (they differ between equal runs); fails if a
     row is stored twice."""

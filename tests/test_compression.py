@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_batch
+from conftest import left_padded_batch, spelled
 
 import kvcompile
 from kvcompile.kernels import reference
@@ -21,7 +21,7 @@ UNDERSPENT = {"core-unmerged": "CORE's kept tokens without its memory entries: t
 @pytest.mark.parametrize("budget", [0.5, 0.25, 0.1])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_bytes_held_within_budget(llama_cm, recipe, budget):
-    cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)
+    cm = kvcompile.apply(llama_cm, budget=budget, recipe=spelled(recipe), page_size=4)
     ids, mask = left_padded_batch([160, 120, 97], total=160)
     cm.prefill(ids, mask)
     stats = cm.cache_stats()

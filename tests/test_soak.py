@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, spelled, tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -85,12 +85,12 @@ def soak(bases, calls: int, seed: int, compiled: bool = False, max_len: int = 16
         op = rng.choice(["generate", "generate", "context", "prefill_decode", "fork", "reset"])
         where = f"seed={seed} call={call} op={op} model={b}"
         try:
-            recipe, budget = rng.choice(RECIPES), random_budget(rng)
+            recipe, budget = spelled(rng.choice(RECIPES)), random_budget(rng)
             cm = kvcompile.apply(base, budget=budget, recipe=recipe, compile=compiled and rng.random() < 0.3)
         except ValueError as e:  # a cap too small for the recipe's schedule: refused by apply, by design
             assert "budget" in str(e), f"{where}: {e}"
             continue
-        where += f" recipe={recipe} budget={budget}"
+        where += f" recipe={recipe.name} budget={budget}"
         ids, mask = random_batch(rng, max_len)
         new = rng.randint(1, 24)
         try:
