@@ -51,11 +51,9 @@ BUDGETS = (0.5, 0.25, 0.125, 0.1, 0.0625)
 def family(recipe: str) -> str:
     if recipe == "full":
         return "reference"
-    if recipe == EVICT:
-        return "evict"
-    if recipe in ("think", "minima-kv"):
+    if recipe in ("think", "minima-kv") or recipe.startswith("full+"):
         return "quantize"
-    return "quantize" if recipe.startswith("full+") else "both"
+    return "evict" if kvcompile.get_recipe(recipe).format is None else "both"
 
 
 def cells(head_dim: int) -> list[tuple[str, float]]:

@@ -39,7 +39,8 @@ def _demo(args) -> int:
     how = "from the capture cache" if full.programs.from_store else "captured and rewritten"
     print(f"{full.spec.num_layers} attention layers {how} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     rows = []
-    for name, cm in [("full", full), (args.recipe, kvcompile.apply(full, budget=args.budget, recipe=args.recipe))]:
+    recipe = kvcompile.recipes.anchors.resolve(args.recipe, tok)  # text a recipe names, as this tokenizer spells it
+    for name, cm in [("full", full), (args.recipe, kvcompile.apply(full, budget=args.budget, recipe=recipe))]:
         t0 = time.perf_counter()
         cm.prefill(context, logits="last")
         t_prefill = time.perf_counter() - t0

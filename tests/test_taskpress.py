@@ -95,8 +95,9 @@ def test_without_a_meta_query_the_scale_alone_ranks_in_one_pass(lm):
 
 def test_an_unresolved_meta_query_is_refused_and_resolve_fills_wrapped_ones(lm):
     model, tok = lm
-    with pytest.raises(ValueError, match=r"recipes\.anchors\.resolve"):
+    with pytest.raises(ValueError, match=r"kvcompile\.recipes\.anchors\.resolve\(recipe, tokenizer\)"):
         kvcompile.apply(model, budget=0.25, recipe="taskpress")
+    kvcompile.apply(model, budget=0.25, recipe=kvcompile.recipes.anchors.resolve("taskpress", tok))  # as it says
     with pytest.raises(ValueError, match="none"):
         kvcompile.apply(model, budget=0.25, recipe=dataclasses.replace(
             kvcompile.recipes()["taskpress"], scorer_args={"meta_query": "", "instruction_ids": (5, 6)}))

@@ -33,5 +33,8 @@ def recipes() -> dict[str, Recipe]:
 
 
 from .compose import WRAPPERS, compose, in_format, prefill_decoding  # noqa: E402  (compositions build on the recipes above)
-from . import anchors  # noqa: E402,F401  (TA's anchor patterns for a tokenizer: recipes.anchors.resolve)
-from . import reflection  # noqa: E402,F401  (ReCo's reflection markers for a tokenizer: recipes.reflection.resolve)
+from . import anchors  # noqa: E402  (text a recipe names, for a tokenizer: recipes.anchors.resolve)
+from . import reflection  # noqa: E402  (ReCo's reflection markers for a tokenizer: recipes.reflection.resolve)
+
+# ``kvcompile.recipes`` is this function at the top level: the resolvers the docs and errors name are reached from it
+recipes.anchors, recipes.reflection = anchors, reflection
