@@ -16,8 +16,8 @@ from .base import Observation, QueryWindow, Reconstruction, protect, register_sc
 from .kvzip import KVzip
 
 UNRESOLVED = ("taskpress reads its meta-query as token ids, which depend on the tokenizer: resolve the recipe first "
-              "with kvcompile.recipes.anchors.resolve(recipe, tokenizer), give instruction_ids= (the meta-query's ids), or meta_query='' "
-              "to score by the quantization scale alone")
+              "with kvcompile.recipes.anchors.resolve(recipe, tokenizer), give instruction_ids= (the meta-query's "
+              "ids), or meta_query='' to score by the quantization scale alone")
 
 
 def value_scale(values: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -3,8 +3,8 @@
 
 Anchors are strings (``password:``) but ``ta`` and ``ta-fast`` match token ids, a meta-query is read as token ids,
 and methods import only torch: this module turns the text into id sequences for one tokenizer and fills them into
-a recipe. The evaluation harness
-(``eval.sweep.run``) resolves every recipe it is given; a user of ``apply`` resolves once::
+a recipe. The evaluation harness (``eval.sweep.run``) resolves every recipe it is given; a user of ``apply``
+resolves once::
 
     recipe = kvcompile.recipes.anchors.resolve("ta-fast+snapkv", tok)
     cm = kvcompile.apply(model, budget=64, recipe=recipe)
