@@ -124,8 +124,9 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
                          "compressed earlier: read the prompt in one prefill, before any compression")
     if dense and any(isinstance(s, HiddenStates) for s in sources):
         supplied["hidden"] = attention_inputs(source, input_ids.to(cache.device), real.to(cache.device))
-    if dense and restores(sources):  # entries that stay: the reconstruction comes after
-        supplied["restored"] = (restore(cache, source, *scorer.restore_inputs()), restores(sources))
+    n_restore = restores(sources)
+    if dense and n_restore:  # entries that stay: the reconstruction comes after
+        supplied["restored"] = (restore(cache, source, *scorer.restore_inputs()), n_restore)
         seen = cache.seen.clone()
     if not any(isinstance(s, Reconstruction) for s in sources):
         yield supplied

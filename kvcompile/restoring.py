@@ -38,8 +38,8 @@ def restore(cache: PagedKVCache, source: nn.Module, embeddings: Tensor, adapter:
     weight = next(source.parameters())
     inputs = embeddings.to(weight).expand(B, n, -1)
     with Adapter.from_tensors(source, adapter).to(weight.device).installed(source):
-        source(inputs_embeds=inputs, attention_mask=mask, position_ids=start[:, None] + torch.arange(n, device=start.device),
-               cache=past, use_cache=True)
+        positions = start[:, None] + torch.arange(n, device=start.device)
+        source(inputs_embeds=inputs, attention_mask=mask, position_ids=positions, cache=past, use_cache=True)
     new = [(layer.keys[:, :, -n:], layer.values[:, :, -n:]) for layer in past.layers]
     cache.append_entries(*(torch.stack(x) for x in zip(*new)))
     return start
