@@ -15,11 +15,10 @@ import json
 import time
 from pathlib import Path
 
-import torch
 
 import kvcompile
 from kvcompile.calibration import saki as calibration
-from kvcompile.eval.fidelity import prose_windows
+from kvcompile.eval.fidelity import calibration_windows
 
 
 def main() -> None:
@@ -38,11 +37,9 @@ def main() -> None:
     t0 = time.perf_counter()
     model, tok = kvcompile.load_model(args.model)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
-    calib = prose_windows(tok, args.calib, args.length, seed=0)
-    held_out = prose_windows(tok, args.eval, args.length, seed=1)
-    assert not {tuple(w[:32]) for w in calib} & {tuple(w[:32]) for w in held_out}, "evaluation text is calibration"
-    stats = calibration.calibrate(cm, [torch.tensor([w]) for w in calib])
-    rows = calibration.recall(cm, stats, [torch.tensor([w]) for w in held_out], ranks, k=args.k,
+    calib, held_out = calibration_windows(tok, args.calib, args.eval, args.length)
+    stats = calibration.calibrate(cm, calib)
+    rows = calibration.recall(cm, stats, held_out, ranks, k=args.k,
                               n_queries=args.queries)
     summary = []
     for rank in ranks:

@@ -24,6 +24,7 @@ from . import adapters, checks, observation, ops
 from .artifact import export, load
 from .budget import Budget
 from .first_use import build_recipe
+from .kernels.formats import get_format
 from .model import CompressedModel
 from .programs import Programs
 from .recipes import Recipe, get_recipe, recipes
@@ -93,9 +94,17 @@ def apply(
         gen_config, source = getattr(model, "generation_config", None), model
     else:
         raise TypeError(f"apply() takes an nn.Module, got {type(model).__name__}")
+    device = next(programs.captured.parameters()).device
+    moments = model.latent_moments if isinstance(model, CompressedModel) else None
+    if moments is None and recipe.format is not None and get_format(recipe.format).latent:
+        from .calibration.spectra import sampled_moments  # calibration runs the model: it sits above it
+
+        full = CompressedModel(programs.compile(False), spec, get_recipe("full"), Budget.parse(1.0), device=device,
+                               source=source)
+        moments = sampled_moments(full)
     return CompressedModel(
         programs.compile(compile), spec, recipe, budget, page_size=page_size, prefill_chunk=prefill_chunk,
-        generation_config=gen_config, device=next(programs.captured.parameters()).device, source=source,
+        generation_config=gen_config, device=device, source=source, latent_moments=moments,
     )
 
 

@@ -7,6 +7,7 @@ The artifact is a folder::
                               AOTInductor packages: (*signature.INPUTS) -> logits
                               (``backend="tensorrt"``: ``*.ep``, exported programs holding TensorRT engines)
     kvcompile.json            spec (geometry, dtype, windows), per-layer scales, recipe, budget, page size
+    latent_moments.safetensors  a SPECTRA format's calibration (``CompressedModel.latent_moments``), when it has one
 
 The cache stays outside the packages (its tensors are program inputs, mutated in place), so the loaded model
 allocates, compresses and reports bytes exactly like the in-memory one. The kvcompile ops run through the
@@ -20,6 +21,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .budget import Budget
 from .cache import PagedKVCache
@@ -32,6 +34,7 @@ from .spec import ModelSpec
 _FORMAT = 5  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
 # 4: decode over the format pool calls the opaque op kvcompile::format_attention; 5: the log-weight channel is an input
 _NAMES = ("prefill", "prefill_last", "decode")
+MOMENTS = "latent_moments.safetensors"
 _SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}
 
 
@@ -51,7 +54,7 @@ def _example(cm: CompressedModel, tokens: int, ring: int):
     spec, B = cm.spec, 2
     cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=cm.cache.dtype,
                          page_size=cm.cache.page_size, device=cm.device, page_format=cm.recipe.format,
-                         weighted=cm.cache.weighted)
+                         weighted=cm.cache.weighted, basis=cm.cache.fmt_basis if cm.cache.fmt_basis.shape[1] else None)
     cache.setup(B)
     cache.reserve(2 * cache.page_size)
     cache.ring.resize(ring)
@@ -123,7 +126,16 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         "torch": torch.__version__,
     }
     (out / "kvcompile.json").write_text(json.dumps(meta, indent=1))
+    if cm.latent_moments is not None:  # a SPECTRA format's calibration: the basis its pages are stored in
+        save_file({f"{i}.{part}": m.contiguous() for i, pair in enumerate(cm.latent_moments)
+                   for part, m in zip(("keys", "values"), pair)}, out / MOMENTS)
     return out
+
+
+def _moments(file: Path) -> list[tuple]:
+    """A SPECTRA calibration written by ``export``: per layer (keys, values) second moments."""
+    tensors = load_file(file)
+    return [(tensors[f"{i}.keys"], tensors[f"{i}.values"]) for i in range(len(tensors) // 2)]
 
 
 class _GenerationConfig:
@@ -209,4 +221,5 @@ def load(path, *, device: str = "cpu") -> CompressedModel:
     return CompressedModel(
         programs, spec, recipe, budget, page_size=meta["page_size"], prefill_chunk=meta["prefill_chunk"],
         generation_config=_GenerationConfig(meta.get("eos_token_id")), device=device,
+        latent_moments=_moments(folder / MOMENTS) if (folder / MOMENTS).exists() else None,
     )

@@ -126,8 +126,10 @@ def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:
 
 
 def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
-    """Refuse, at ``apply``, a recipe and budget that cannot run together: a recipe that evicts nothing under a
-    budget below what it stores, and a page format with what it does not support yet."""
+    """Refuse, at ``apply``, a recipe and budget that cannot run together: an allocator that does not fit the
+    model's layers, a recipe that evicts nothing under a budget below what it stores, and a page format with what
+    it does not support yet."""
+    allocator.check(spec.num_layers)
     if recipe.merge and allocator.strategy in WEIGHTED_STRATEGIES:
         raise ValueError(f"recipe {recipe.name!r} merges evicted values beside a summarising allocator, whose "
                          "summary already stands for them; use one or the other")

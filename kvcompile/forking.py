@@ -25,7 +25,8 @@ class Forking:
         programs = self.programs if compile is None else self.programs.compile(compile)
         chunk = recipe.prefill_chunk or self.prefill_chunk
         child = type(self)(programs, self.spec, recipe, budget, page_size=self.cache.page_size, prefill_chunk=chunk,
-                           generation_config=self.generation_config, device=self.device, source=self.source)
+                           generation_config=self.generation_config, device=self.device, source=self.source,
+                           latent_moments=self.latent_moments)
         if self.seen is None:
             return child
         checks.same_chunking(recipe.name, chunk, self.prefill_chunk)
@@ -36,8 +37,8 @@ class Forking:
                              "recipe")
         if child.cache.keep_ids > self.cache.keep_ids:
             raise ValueError(f"recipe {recipe.name!r} reads the token ids of the context, which this cache did not log")
-        weighted, child.cache = child.cache.weighted, copy.deepcopy(self.cache)
-        child.cache.set_format(recipe.format)
+        weighted, basis, child.cache = child.cache.weighted, child.cache.fmt_basis, copy.deepcopy(self.cache)
+        child.cache.set_format(recipe.format, basis if basis.shape[1] else None)
         child.cache.set_weighted(weighted)
         child.context_tokens, child._pending = self.context_tokens.clone(), list(self._pending)
         child.query_aware, child._observing = self.query_aware, self._observing

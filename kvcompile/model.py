@@ -20,6 +20,7 @@ from .cache import PagedKVCache
 from .compress import WEIGHTED_STRATEGIES, compress as compress_cache
 from .forking import Forking
 from .generation import generate_tokens
+from .kernels.formats import latent_basis
 from .programs import Programs
 from .recipes import Recipe
 from .schedule import DecodeCompressor, DecodeSchedule
@@ -31,24 +32,23 @@ from .steps import Steps
 class CompressedModel(Steps, Speculation, Forking, nn.Module):
     """A causal LM over a compressed, ragged per-head paged KV cache. Build it with ``kvcompile.apply``.
 
-    Positions keep counting the original sequence after eviction; keys are stored after RoPE. The budget applies
-    per sequence, to the tokens prefilled with ``compress=True`` (tokens appended by ``decode`` are held on top of
-    it, unless the recipe compresses while decoding, whose cap counts every token). The model's weights are its
-    parameters (shared with the model it was applied to, as a wrapper shares them), so ``.to(device)`` /
-    ``.to(dtype)`` move both; the graph is captured again for the new dtype or device, whose casts it bakes in.
+    Positions keep counting the original sequence after eviction; keys are stored after RoPE (SPECTRA's pages: before
+    it, ``kernels.latent``). The budget applies per sequence, to the tokens prefilled with ``compress=True`` (tokens
+    appended by ``decode`` are held on top of it, unless the recipe compresses while decoding, whose cap counts every
+    token). The model's weights are its parameters (shared with the model it was applied to, as a wrapper shares
+    them), so ``.to(device)`` / ``.to(dtype)`` move both; the graph is captured again for the new dtype or device.
     """
 
     def __init__(
         self, programs: Programs, spec: ModelSpec, recipe: Recipe, budget: Budget, *, page_size: int = 16,
         prefill_chunk: int | None = None, generation_config=None, device: torch.device | str = "cpu",
-        source: nn.Module | None = None,
+        source: nn.Module | None = None, latent_moments: list | None = None,
     ):
         super().__init__()
         self.programs, self.spec, self.recipe, self.budget = programs.for_format(recipe.format), spec, recipe, budget
-        self.source = source  # the model applied to: its weights are this model's parameters
+        self.source, self.latent_moments = source, latent_moments  # the model applied to; SPECTRA's calibration
         self.scorer, self.allocator = recipe.build()
         checks.recipe(recipe, self.allocator, budget, spec, page_size)
-        self.allocator.check(spec.num_layers)
         checks.scorer_fits(self.scorer, spec)
         rerotation.check(spec, recipe, prefill_chunk)
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
@@ -61,7 +61,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
             checks.dense_pass(recipe, source, prefill_chunk, self.schedule, self.allocator, observation.restores(sources))
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                   page_size=page_size, device=device, keep_ids=observation.keeps_ids(sources),
-                                  page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES)
+                                  page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES,
+                                  basis=latent_basis(recipe.format, latent_moments, spec.rotary, spec.head_dim))
         if self.schedule is not None and budget.kind != "fraction":  # the cap is known now: check it fits
             self._fit_schedule(0)
         self.reset()
@@ -170,9 +171,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
 
     def _check(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The real-token mask of a batch that extends the cache, on the device, after ``checks.tokens``."""
-        real = checks.tokens(input_ids, attention_mask, vocab_size=self.programs.vocab_size,
-                             rows=self.cache.batch_size or None, seen=self.seen, max_positions=self.spec.max_positions)
-        return real.to(self.device)
+        return checks.tokens(input_ids, attention_mask, vocab_size=self.programs.vocab_size, rows=self.cache.batch_size
+                             or None, seen=self.seen, max_positions=self.spec.max_positions).to(self.device)
 
     def _prefill(self, input_ids: Tensor, real: Tensor, compress: bool, logits: str, pending: bool = True,
                  segments: Tensor | None = None) -> Tensor:

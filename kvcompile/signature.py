@@ -36,5 +36,6 @@ INPUTS = (
     *(Input(name, ((0, "fmt_pages"),), "cache") for name in ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos")),
     Input("fmt_table", ((1, "batch"), (3, "fmt_width")), "cache"),
     Input("fmt_lengths", ((1, "batch"),), "cache"),
+    Input("fmt_basis", (), "cache"),
 )
 ADDED = tuple(i.name for i in INPUTS[2:])  # what the passes add after (input_ids, position_ids)

@@ -21,7 +21,7 @@ KIVI2_W8 = dataclasses.replace(kvcompile.recipes()["kivi2"], name="kivi2-r8", pr
 # every other page format, and the weighted-entry recipes beyond CertKV (one artifact each, about a minute on 2
 # cores; the suite's time limit keeps them out of the default run): KVCOMPILE_LONG=1
 LONG = ["gracekv", "core", "snapkv+int4", "snapkv+fp16", "snapkv+bf16", "snapkv+fp8", "snapkv+int8", "snapkv+int3", "snapkv+int2",
-        "snapkv+k8v4", "snapkv+kivi4", KIVI2_W8]
+        "snapkv+k8v4", "snapkv+kivi4", KIVI2_W8, "snapkv+spectra4"]
 
 
 @pytest.mark.parametrize("recipe, budget", [(r, 0.5) for r in ("certkv", "snapkv+think")] + [

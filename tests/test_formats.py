@@ -16,7 +16,7 @@ from kvcompile.kernels.packing import pack, unpack
 from kvcompile.recipes import Recipe, in_format
 
 CODECS = {f"{name}.{part}": getattr(f, part) for name, f in FORMATS.items() for part in ("key", "value")
-          if not getattr(getattr(f, part), "page_local", False)}
+          if not getattr(getattr(f, part), "page_local", False) and not f.latent}  # latent rows: test_spectra
 
 
 def fresh_seed() -> int:
@@ -187,7 +187,7 @@ def test_quantize_only_is_close_to_the_full_model_and_reports_its_bytes(llama_cm
     assert stats["bytes_allocated"] == tensors
     # the next token's logits, read over the format pages, stay near the full model's
     nxt = ref[:, -1:].argmax(-1)
-    tol = {"int2": 2.0, "int3": 1.0, "tq3": 1.0, "int4": 0.5}.get(name, 0.1)
+    tol = {"int2": 2.0, "int3": 1.0, "tq3": 1.0, "int4": 0.5, "spectra2": 2.0, "spectra3": 1.0, "spectra4": 0.5}.get(name, 0.1)
     got, want = cm.decode(nxt), full.decode(nxt)
     assert (got - want).abs().max() < tol, f"{name}: {(got - want).abs().max()}"
 
@@ -408,7 +408,7 @@ def test_compiled_programs_read_format_pages_without_recompiling(llama_cm):
     assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "another prompt length recompiled"
 
 
-@pytest.mark.parametrize("name", ["fp16", "fp8", "int3", "k8v4", "kivi2-r8", "think", "tq3"])
+@pytest.mark.parametrize("name", ["fp16", "fp8", "int3", "k8v4", "kivi2-r8", "think", "tq3", "spectra4"])
 def test_every_format_compiles_to_the_eager_tokens_without_recompiling_per_length(llama_cm, name):
     """Each kind of format through ``torch.compile`` (full graph, Dynamo's ``eager`` backend: the capture and its
     guards, where a format's code dtypes and metadata shapes meet the compiler; the format decode is one opaque op
@@ -416,7 +416,8 @@ def test_every_format_compiles_to_the_eager_tokens_without_recompiling_per_lengt
     recompiles nothing. One format per codec layout: a narrow float (bf16 alike), fp8 bytes with row scales,
     packed odd-width integers (int8, int4 and int2 alike), different key and value codecs, KIVI's page-local
     keys demoting while it decodes (``-r8``: the format pool changes size between steps), ThinK's pruned key
-    channels (a per-head channel list) and TQ3's rotated page-local codes. With eviction (snapkv)
+    channels (a per-head channel list), TQ3's rotated page-local codes and SPECTRA's rows in a per-head basis (the
+    cache's ``fmt_basis``, an input of its own). With eviction (snapkv)
     or demotion, so both pools are read: the format's and the model dtype's (decoded tokens). All of them run in
     one process, as a sweep's forks do: each format compiles its own programs (``Programs.for_format``)."""
     import torch._dynamo.utils as dynamo_utils

@@ -15,7 +15,7 @@ from torch import Tensor
 from ..kernels.formats import get_format
 from .formatted import FORMAT_TENSORS
 
-FORMAT_KINDS = ("pages", "pages", "pages", "pages", "positions", "tables", "tables")
+FORMAT_KINDS = ("pages", "pages", "pages", "pages", "positions", "tables", "tables", "tables")
 
 
 class ByteAccounting:

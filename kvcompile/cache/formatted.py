@@ -11,6 +11,8 @@ Layout (one pool for all layers, as the model-dtype one)::
     fmt_lengths             : [L, B, Hkv] entries head (l, b, h) holds in this pool
     fmt_channels            : [L, B, Hkv, W] the key channels each head keeps, for a format that drops some
                                           (ThinK's ``PrunedCodec``; W = 0 for any other): what its pages list
+    fmt_basis               : [L, 2, Hkv, D + 2, D] the model's basis of SPECTRA's rows (``kernels.latent``;
+                                          [L, 0, ...] for any other format), set with the format
 
 A head's entries, in logical order, are its format entries then its model-dtype entries (``lengths``), so the plans
 of every method index one list (``dense``). The pool is written only by ``keep``: compression encodes the kept
@@ -25,12 +27,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import reference
+from ..kernels import latent, reference
 from ..kernels.formats import PrunedCodec, codec_of, encode_pool, get_format
+from ..kernels.latent import LatentCodec
 from ..plan import DTYPE_FORMAT, STORED_FORMAT, Plan
 
 MIN_PAGES = 2  # pages of a format pool at least: the scratch page and a spare
-FORMAT_TENSORS = ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos", "fmt_table", "fmt_lengths")
+FORMAT_TENSORS = ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos", "fmt_table", "fmt_lengths", "fmt_basis")
 
 
 def precise_positions(pos: Tensor, seen: Tensor, window: int, anchors: int, page_size: int) -> Tensor:
@@ -51,8 +54,11 @@ class FormatPool:
         N = 0 if self.page_format is None else MIN_PAGES
         for name in ("k", "v"):
             codec, zeros = self._codec("key" if name == "k" else "value"), torch.zeros(N, P, D, device=dev)
-            codes, meta = ((torch.zeros(N, P, 0, dtype=torch.uint8, device=dev),) * 2 if codec is None else
-                           encode_pool(codec, zeros, torch.zeros(N, P, dtype=torch.bool, device=dev)))
+            if isinstance(codec, LatentCodec):  # rows in a basis: nothing to encode without one
+                codes, meta = codec.zeros(N, P, D, device=dev)
+            else:
+                codes, meta = ((torch.zeros(N, P, 0, dtype=torch.uint8, device=dev),) * 2 if codec is None else
+                               encode_pool(codec, zeros, torch.zeros(N, P, dtype=torch.bool, device=dev)))
             setattr(self, f"fmt_{name}", codes.new_zeros(codes.shape))
             setattr(self, f"fmt_{name}_meta", meta.new_zeros(meta.shape))
         self.fmt_pos = torch.zeros(N, P, dtype=torch.int32, device=dev)
@@ -71,18 +77,26 @@ class FormatPool:
             setattr(self, name, tensor.to(self.k_pages.device))
         return self
 
-    def set_format(self, page_format: str | None) -> None:
+    def set_format(self, page_format: str | None, basis: Tensor | None = None) -> None:
         """Store later compressions in ``page_format`` (a ``fork`` to a recipe of another format); refused while
-        entries are stored in the current one."""
-        if page_format == self.page_format:
-            return
-        if self.format_used:
+        entries are stored in the current one. ``basis``: the model's latent basis, which a SPECTRA format needs
+        (``kernels.latent.model_basis``)."""
+        if page_format != self.page_format and self.format_used:
             raise ValueError(f"this cache holds {self.page_format} pages; a recipe storing "
                              f"{page_format or 'the model dtype'} must prefill on its own")
-        if page_format is not None:
-            get_format(page_format).token_bytes(self.head_dim)  # an unknown name or a head dim it cannot pack raises
-        self.page_format = page_format
-        self._empty_format_pool(self.batch_size)
+        fmt = None if page_format is None else get_format(page_format)
+        if fmt is not None:
+            fmt.token_bytes(self.head_dim)  # an unknown name or a head dim it cannot pack raises
+        latent = fmt is not None and fmt.latent
+        if latent and basis is None:
+            raise ValueError(f"{page_format} pages are stored in a basis calibrated for the model, and none was given "
+                             "(kvcompile.apply calibrates it)")
+        L, Hkv, D = self.num_layers, self.num_kv_heads, self.head_dim
+        self.fmt_basis = (basis.to(self.device, torch.float32) if latent else
+                          torch.zeros(L, 0, Hkv, D + 2, D, device=self.device))
+        if page_format != self.page_format or not self.fmt_k.numel():
+            self.page_format = page_format
+            self._empty_format_pool(self.batch_size)
 
     def _codec(self, part: str):
         return None if self.page_format is None else getattr(get_format(self.page_format), part)
@@ -94,7 +108,7 @@ class FormatPool:
     def format_pages(self, layer: int) -> reference.FormatPages:
         """Layer ``layer``'s view of the format pool, as attention reads it."""
         return reference.FormatPages(self.fmt_k, self.fmt_k_meta, self.fmt_v, self.fmt_v_meta, self.fmt_pos,
-                                     self.fmt_table[layer], self.fmt_lengths[layer])
+                                     self.fmt_table[layer], self.fmt_lengths[layer], self.fmt_basis[layer])
 
     @property
     def format_used(self) -> bool:
@@ -195,7 +209,8 @@ class FormatPool:
         moved, fresh = mine & stored, mine & ~stored
         entries = [(heads[moved], index[moved], *self._moved_rows(rows_f[moved])),
                    (heads[fresh], index[fresh],
-                    *self._encode(self.k_pages.view(-1, D)[rows_d[fresh]], self.v_pages.view(-1, D)[rows_d[fresh]]),
+                    *self._encode(self.k_pages.view(-1, D)[rows_d[fresh]], self.v_pages.view(-1, D)[rows_d[fresh]],
+                                  heads[fresh], self.page_pos.view(-1)[rows_d[fresh]]),
                     self.page_pos.view(-1)[rows_d[fresh]])]
         counts, new = mine.sum(-1), plan.new
         if plan.formats is not None and new is not None:  # a formatted plan stores its new entries too
@@ -203,7 +218,8 @@ class FormatPool:
             sel = e < new.counts[..., None]
             heads_e = torch.arange(counts.numel(), device=self.device).view(*counts.shape, 1).expand(sel.shape)
             entries.append((heads_e[sel], (counts[..., None] + e).expand(sel.shape)[sel],
-                            *self._encode(new.keys[sel], new.values[sel]), new.positions[sel]))
+                            *self._encode(new.keys[sel], new.values[sel], heads_e[sel], new.positions[sel]),
+                            new.positions[sel]))
             counts, new = counts + new.counts.long(), None
         self._lay_out(entries, counts)
         keep_d = torch.where(theirs, plan.keep - n1, torch.iinfo(torch.int32).max).sort(-1).values
@@ -229,11 +245,18 @@ class FormatPool:
                 out += [codes.flatten(0, 1)[rows], meta.flatten(0, 1)[rows]]
         return (*out, self.fmt_pos.flatten()[rows])
 
-    def _encode(self, keys: Tensor, values: Tensor) -> tuple[Tensor, ...]:
-        """Fresh entries as ``_moved_rows`` gives moved ones: encoded rows, or fp32 rows for a page-local codec."""
+    def _encode(self, keys: Tensor, values: Tensor, heads: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        """Fresh entries as ``_moved_rows`` gives moved ones: encoded rows, or fp32 rows for a page-local codec.
+        ``heads``: each entry's flat (layer, row, KV head) index, ``positions``: its position (what latent rows
+        need: their head's basis, and the rotation that takes a key back to before RoPE)."""
         out = []
-        for x, (_, _, codec) in zip((keys, values), self._parts()):
-            out += [x.float(), None] if codec.page_local else [*codec.encode(x.float())]
+        for part, (x, (_, _, codec)) in enumerate(zip((keys, values), self._parts())):
+            if isinstance(codec, LatentCodec):
+                B, Hkv = self.batch_size, self.num_kv_heads
+                out += latent.encode_heads(x, self.fmt_basis[:, part], codec.group_of(self.head_dim),
+                                           heads // (B * Hkv), heads % Hkv, positions)
+            else:
+                out += [x.float(), None] if codec.page_local else [*codec.encode(x.float())]
         return tuple(out)
 
     def _lay_out(self, entries, counts: Tensor) -> None:

@@ -60,7 +60,7 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
     def __init__(
         self, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int, *,
         dtype: torch.dtype = torch.float32, page_size: int = 16, device: torch.device | str = "cpu",
-        keep_ids: bool = False, page_format: str | None = None, weighted: bool = False,
+        keep_ids: bool = False, page_format: str | None = None, weighted: bool = False, basis: Tensor | None = None,
     ):
         super().__init__()
         if page_size < 1:
@@ -84,7 +84,7 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
         for name in FORMAT_TENSORS:
             self.register_buffer(name, torch.zeros(0, device=dev))
         self._empty_format_pool(0)
-        self.set_format(page_format)  # an unknown name or a head dim it cannot pack raises here
+        self.set_format(page_format, basis)  # an unknown name or a head dim it cannot pack raises here
         self.keep_ids = keep_ids  # a method reads the token id of each held entry (``ContextTokens``)
         self.ring = QueryRing(num_layers, num_q_heads, head_dim, dtype, dev)
         self.room = 0  # tokens every head can still take without reserving pages (a host count)

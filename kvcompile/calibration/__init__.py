@@ -16,7 +16,9 @@ import torch
 from torch import Tensor
 
 from ..budget import Budget
+from ..methods.rope import rotate
 from ..model import CompressedModel
+from ..observation import observe
 from ..recipes import Recipe
 
 
@@ -26,6 +28,29 @@ def calibration_runner(model, window: int = 0):
     recipe = Recipe("calibration", "snapkv", scorer_args={"window": window}) if window else Recipe("full", None)
     return CompressedModel(model.programs, model.spec, recipe, Budget.parse(1.0), device=model.device,
                            source=model.source)
+
+
+@torch.no_grad()
+def prefill_heads(model, ids: Tensor) -> list[tuple[Tensor, ...]]:
+    """Per layer: (queries [Hkv, G*W, D], query positions [Hkv, G*W], keys, values [Hkv, S, D], positions [Hkv, S]),
+    post-RoPE, of one prompt ``ids`` [1, T] read uncompressed (every query observed; -1: no entry)."""
+    runner = calibration_runner(model, window=ids.shape[1])
+    runner.prefill(ids.to(runner.device), compress=False, logits="last")
+    out = []
+    for layer in runner.programs.layers:
+        obs = observe(runner.cache, layer)
+        Hkv, (_, Hq, W, D) = obs.keys.shape[1], obs.queries.shape
+        queries = obs.queries[0].reshape(Hkv, Hq // Hkv * W, D).float()
+        q_pos = obs.query_positions[0].repeat(Hq // Hkv)[None].expand(Hkv, -1)
+        seen = q_pos >= 0
+        out.append((queries[:, seen[0]], q_pos[:, seen[0]], obs.keys[0].float(), obs.values[0].float(),
+                    obs.positions[0].masked_fill(~obs.valid[0], -1)))
+    return out
+
+
+def unrotated(x: Tensor, positions: Tensor, inv_freq) -> Tensor:
+    """Pre-RoPE rows of post-RoPE ``x`` [..., D] at ``positions`` (as is for a model without rotary buffers)."""
+    return rotate(x, -positions.clamp_min(0), torch.tensor(inv_freq)) if inv_freq else x
 
 
 def cached_calibration(kind: str, model, token_ids: Tensor, params: dict, compute):

@@ -13,32 +13,8 @@ import torch
 from torch import Tensor
 
 from ..methods.saki import LowRankKeys, key_pca, moments, saki, topk_recall
-from ..observation import observe
 from ..methods.rope import rotate
-from . import calibration_runner
-
-
-@torch.no_grad()
-def _heads(model, ids: Tensor):
-    """Per layer: (queries [Hkv, G*W, D], query positions [Hkv, G*W], keys [Hkv, S, D], positions [Hkv, S]), all
-    post-RoPE, of one prompt ``ids`` [1, T] read uncompressed."""
-    runner = calibration_runner(model, window=ids.shape[1])
-    runner.prefill(ids.to(runner.device), compress=False, logits="last")
-    out = []
-    for layer in runner.programs.layers:
-        obs = observe(runner.cache, layer)
-        Hkv, (_, Hq, W, D) = obs.keys.shape[1], obs.queries.shape
-        queries = obs.queries[0].reshape(Hkv, Hq // Hkv * W, D).float()
-        q_pos = obs.query_positions[0].repeat(Hq // Hkv)[None].expand(Hkv, -1)
-        seen = q_pos >= 0
-        out.append((queries[:, seen[0]], q_pos[:, seen[0]], obs.keys[0].float(),
-                    obs.positions[0].masked_fill(~obs.valid[0], -1)))
-    return out
-
-
-def _unrotated(x: Tensor, positions: Tensor, inv_freq) -> Tensor:
-    """Pre-RoPE rows of post-RoPE ``x`` [..., D] at ``positions`` (as is for a model without rotary buffers)."""
-    return rotate(x, -positions.clamp_min(0), torch.tensor(inv_freq)) if inv_freq else x
+from . import prefill_heads, unrotated
 
 
 def calibrate(model, samples: list[Tensor]) -> list[list[tuple[Tensor, Tensor, Tensor]]]:
@@ -49,13 +25,13 @@ def calibrate(model, samples: list[Tensor]) -> list[list[tuple[Tensor, Tensor, T
     rotary = model.spec.rotary or [()] * model.spec.num_layers
     rows: list[list[tuple[list, list]]] = []
     for ids in samples:
-        for layer, ((q, q_pos, k, pos), inv_freq) in enumerate(zip(_heads(model, ids), rotary)):
+        for layer, ((q, q_pos, k, _, pos), inv_freq) in enumerate(zip(prefill_heads(model, ids), rotary)):
             if len(rows) <= layer:
                 rows.append([([], []) for _ in range(k.shape[0])])
             for h, (queries, keys) in enumerate(rows[layer]):
                 valid = pos[h] >= 0
-                queries.append(_unrotated(q[h], q_pos[h], inv_freq))
-                keys.append(_unrotated(k[h][valid], pos[h][valid], inv_freq))
+                queries.append(unrotated(q[h], q_pos[h], inv_freq))
+                keys.append(unrotated(k[h][valid], pos[h][valid], inv_freq))
     return [[moments(torch.cat(q), torch.cat(k)) for q, k in layer] for layer in rows]
 
 
@@ -66,13 +42,13 @@ def recall(model, stats, samples: list[Tensor], ranks: list[int], k: int = 64, n
     rotary = model.spec.rotary or [()] * model.spec.num_layers
     sums: dict[tuple, list[float]] = {}
     for ids in samples:
-        for layer, ((q, q_pos, keys, pos), inv_freq) in enumerate(zip(_heads(model, ids), rotary)):
+        for layer, ((q, q_pos, keys, _, pos), inv_freq) in enumerate(zip(prefill_heads(model, ids), rotary)):
             for h in range(keys.shape[0]):
                 last = q_pos[h] >= int(q_pos[h].max()) - n_queries + 1
                 queries, qp = q[h][last], q_pos[h][last]
                 valid = (pos[h][None] >= 0) & (pos[h][None] <= qp[:, None])
                 exact = queries @ keys[h].T
-                pre = _unrotated(keys[h], pos[h], inv_freq).double()
+                pre = unrotated(keys[h], pos[h], inv_freq).double()
                 sigma_q, sigma_k, mean = stats[layer][h]
                 for rank in ranks:
                     for name, maps in (("saki", saki(sigma_q, sigma_k, mean, rank)[0]),

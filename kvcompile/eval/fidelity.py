@@ -136,6 +136,15 @@ def prose_windows(tokenizer, n_windows: int, length: int, seed: int = 0) -> list
     return out
 
 
+def calibration_windows(tokenizer, n_calib: int, n_eval: int, length: int) -> tuple[list[Tensor], list[Tensor]]:
+    """(calibration, evaluation) prose windows as input_ids [1, length], from different offsets: a method
+    calibrated on the first is measured on text it never saw."""
+    calib, held_out = (prose_windows(tokenizer, n, length, seed=seed) for n, seed in ((n_calib, 0), (n_eval, 1)))
+    if {tuple(w[:32]) for w in calib} & {tuple(w[:32]) for w in held_out}:
+        raise ValueError("the evaluation windows overlap the calibration windows")
+    return [torch.tensor([w]) for w in calib], [torch.tensor([w]) for w in held_out]
+
+
 def measure(
     cm: CompressedModel,
     tokenizer,

@@ -1,11 +1,11 @@
 """Grid evaluation: recipes x budgets x synthetic tasks, one shared prefill per context.
 
 Per context the full-budget model prefills once (``compress=False``: nothing evicted, the queries kept) with the
-widest observation window any cell reads; each cell then forks that cache, compresses it
-(``CompressedModel.fork`` + ``compress``), reads the question (query-agnostic) and decodes
-greedily. A grid of K cells costs about one prefill plus K compress-and-decode steps per context instead of K
-prefills. Scores are the task definitions' own (``Sample.score``). Optional columns: next-token KL(full ||
-compressed) and top-1 agreement, teacher-forced on the question plus the full-budget answer.
+widest observation window any cell reads; each cell then forks that cache, compresses it (``CompressedModel.fork``
++ ``compress``), reads the question (query-agnostic) and decodes greedily. A grid of K cells costs about one
+prefill plus K compress-and-decode steps per context instead of K prefills. Scores are the task definitions' own
+(``Sample.score``). Optional columns: next-token KL(full || compressed) and top-1 agreement, teacher-forced on the
+question plus the full-budget answer.
 
 A cell that fails records its error and the sweep goes on. With a results store (``eval.store``) each context's
 rows are written as soon as its cells are done, and cells already stored are skipped: an interrupted grid resumes.
@@ -164,11 +164,12 @@ class Sweeper:
 def shared_base(cm: CompressedModel, cells: list) -> CompressedModel:
     """A full-budget model of ``cm`` that keeps, when it prefills with ``compress=False``, the queries of the widest
     observation window any of the (recipe, budget) ``cells`` reads, so each cell can fork it and compress."""
-    widest = max(_observation_window(cm, r, b) for r, b in cells)
-    shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max(widest, 1)})  # observes, keeps all
+    built = [m for m in (_applied(cm, r, b) for r, b in cells) if m is not None]  # a SPECTRA cell's is calibrated
+    shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max([m.observation_window for m in built] + [1])})
     if any(_reads_ids(r) for r, _ in cells):  # a TA sponsoring nothing: the same, and it logs the token ids
         shared = compose("ta-fast", shared, anchors=[])
-    return kvcompile.apply(cm, budget=1.0, recipe=shared)
+    calibrated = next((m for m in built if m.latent_moments is not None), cm)  # every fork inherits its basis
+    return kvcompile.apply(calibrated, budget=1.0, recipe=shared)
 
 
 def new_timing() -> dict:
@@ -233,12 +234,12 @@ def _bounded(before, model) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def _observation_window(cm: CompressedModel, recipe, budget) -> int:
-    """Queries a cell reads; 0 for a cell that cannot be built (its error is recorded when it runs)."""
+def _applied(cm: CompressedModel, recipe, budget) -> CompressedModel | None:
+    """A cell's model; None for a cell that cannot be built (its error is recorded when it runs)."""
     try:
-        return kvcompile.apply(cm, budget=budget, recipe=recipe).observation_window
+        return kvcompile.apply(cm, budget=budget, recipe=recipe)
     except ValueError:
-        return 0
+        return None
 
 
 def _reads_ids(recipe) -> bool:
@@ -254,7 +255,6 @@ def _reads_ids(recipe) -> bool:
 def _separate(base, cells, context, question, tokenizer, max_new_tokens, answers, timing) -> None:
     """Time every cell as its own prefill + compress + decode from an empty cache (making the model is not timed)
     and count answers that differ from the shared-prefill ones."""
-    cell_times = 0.0
     for recipe, budget in cells:
         if (recipe.name, str(budget)) not in answers:  # failed in the shared run: its error is already recorded
             continue
@@ -264,9 +264,8 @@ def _separate(base, cells, context, question, tokenizer, max_new_tokens, answers
         with torch.no_grad():
             model.prefill(ids_tensor(context, model.device), logits="last")
         tokens = answer(model, tokenizer, read_question(model, question), max_new_tokens)
-        cell_times += time.perf_counter() - t0
+        timing["separate_s"] += time.perf_counter() - t0
         timing["separate_mismatches"] += int(tokens != answers.get((recipe.name, str(budget))))
-    timing["separate_s"] += cell_times
     timing["separate_contexts"] += 1
 
 

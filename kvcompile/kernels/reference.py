@@ -20,63 +20,14 @@ one head's keys, the definition every function here follows::
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
 from . import ragged
-from .formats import codec_of
+from .format_pages import FormatPages
+from .paging import gather_pages, heads_view, rows_of
 
-
-class FormatPages(NamedTuple):
-    """One layer's format pool (``kvcompile.cache``): codes and metadata of keys and values [N, P, W] and
-    [N, P, M] ([N, 1, M] for a page-local codec), in the format ``formats.codec_of`` reads from them; positions
-    [N, P], page table [B, Hkv, W'], lengths [B, Hkv]. A head's entries live in its format pages and its
-    model-dtype pages: attention reads both."""
-
-    k: Tensor
-    k_meta: Tensor
-    v: Tensor
-    v_meta: Tensor
-    pos: Tensor
-    table: Tensor
-    lengths: Tensor
-
-    @property
-    def empty(self) -> bool:
-        """True when there is no format pool (a cache without a page format: a static shape, 0 pages)."""
-        return self.k.shape[0] == 0
-
-    def dense(self, head_dim: int, dtype: torch.dtype, pages: slice = slice(None)):
-        """Decoded keys, values [B, Hkv, S, D], positions and valid [B, Hkv, S] of the page-table columns
-        ``pages`` (S = their pages * P): a tile of the pool, decoded where it is read."""
-        table = self.table[..., pages]
-        k, v = ((codec_of(codes, meta, head_dim).decode(gather_pages(codes, table), gather_pages(meta, table), dtype))
-                for codes, meta in ((self.k, self.k_meta), (self.v, self.v_meta)))
-        j = (pages.start or 0) * self.pos.shape[1] + torch.arange(k.shape[2], device=k.device)
-        return k, v, gather_pages(self.pos, table).long(), j < self.lengths.unsqueeze(-1)
-
-
-def rows_of(page_table: Tensor, j: Tensor, page_size: int) -> Tensor:
-    """Flat pool rows ``page * P + offset`` of logical tokens ``j`` [B, Hkv, K] of each head -> [B, Hkv, K] int64."""
-    pages = page_table.long().gather(-1, (j // page_size).clamp(0, page_table.shape[-1] - 1))
-    return pages * page_size + j % page_size
-
-
-def gather_pages(pool: Tensor, page_table: Tensor) -> Tensor:
-    """Each head's pages of ``pool`` ([N_pages, P, ...]) laid end to end: [B, Hkv, MAXP * P, ...]."""
-    B, Hkv, W = page_table.shape
-    rows = torch.index_select(pool.reshape(pool.shape[0], -1), 0, page_table.reshape(-1).long())  # fastest CPU copy
-    return rows.view(B, Hkv, W * pool.shape[1], *pool.shape[2:])
-
-
-def heads_view(pool: Tensor, page_table: Tensor, first_page: int | None = None) -> Tensor:
-    """``gather_pages``, without the copy when the heads' pages are the packed run ``first_page``,
-    ``first_page + 1``, ... (``PagedKVCache.packed``): they are then one slice of the pool. Read-only result."""
-    if first_page is None:
-        return gather_pages(pool, page_table)
-    return pool[first_page : first_page + page_table.numel()].view(*page_table.shape[:2], -1, *pool.shape[2:])
+__all__ = ["FormatPages", "gather_pages", "heads_view", "rows_of"]  # read by the cache and the tests from here
 
 
 def gather_dense(
@@ -205,18 +156,16 @@ def stored_decode(q, dense, stored: FormatPages, scale: float, tile_tokens: int 
     qg = q.float().view(B, Hkv, Hq // Hkv, D) * scale
     step = max(1, tile_tokens // P)
     tiles = [slice(s, s + step) for s in range(0, stored.table.shape[-1], step)]
-    (k, km, kc), (v, vm, vc) = ((c, m, codec_of(c, m, D)) for c, m in ((stored.k, stored.k_meta),
-                                                                     (stored.v, stored.v_meta)))
     scores = [torch.matmul(qg, keys.float().transpose(-1, -2))]
-    scores += [kc.dot(qg, gather_pages(k, stored.table[..., t]), gather_pages(km, stored.table[..., t])) for t in tiles]
+    scores += [stored.scores(qg, stored.table[..., t], D) for t in tiles]
     j = torch.arange(stored.table.shape[-1] * P, device=q.device)
     seen = torch.cat([valid, j < stored.lengths.unsqueeze(-1)], -1)[:, :, None]
     probs = torch.softmax(torch.cat(scores, -1).masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
     out, done = torch.matmul(probs[..., :S0], values.float()), S0
     for t in tiles:
-        vt, mt = gather_pages(v, stored.table[..., t]), gather_pages(vm, stored.table[..., t])
-        out = out + vc.mix(probs[..., done : done + vt.shape[2]], vt, mt)
-        done += vt.shape[2]
+        width = stored.table[..., t].shape[-1] * P
+        out = out + stored.mix(probs[..., done : done + width], stored.table[..., t], D)
+        done += width
     return out.view(B, Hq, 1, D).to(q.dtype)
 
 

@@ -1,5 +1,5 @@
 """Built-in recipes that are page formats of their own (``kernels.formats``): ThinK's pruned keys, Minima-KV's
-TQ3 pages beside anchor pages; and TaskPress, which ranks by what a quantized page stores. Listed after the other
+TQ3 pages beside anchor pages, SPECTRA's rows in a calibrated basis; and TaskPress, which ranks by what a quantized page stores. Listed after the other
 built-ins (``builtin``)."""
 
 from __future__ import annotations
@@ -23,6 +23,14 @@ FORMAT_RECIPES = [
                     "anchor and recent pages stay in the model's dtype, not FP8 (this cache holds one format pool "
                     "beside the model-dtype pool); anchors are pages of the cache's page size in positions; while "
                     "decoding, every 32 tokens, those that left the window and are no anchors move to TQ3"),
+    Recipe("spectra", None, format="spectra4",
+           source="https://arxiv.org/abs/2608.07915 (SPECTRA; METHODS.md section 12)", provenance="abstract",
+           inferred="from a detailed full-text summary, no code: the basis from each head's pre-RoPE key and value "
+                    "second moments (equal to section 12's W_K SVD over hidden-state moments at full rank), measured "
+                    "on 4 x 256 tokens the model samples itself from its BOS token (apply holds no tokenizer); "
+                    "groups of 32 latent channels share a width (the integer optimum of the water-filling objective, "
+                    "mean 4 bits: int4's bytes); a 0-bit group keeps the token's mean; keys stored before RoPE and "
+                    "rotated when read; no eviction ('snapkv+spectra4' evicts too)"),
     Recipe("taskpress", "taskpress", scorer_args={"window": 8192, "n_sink": 4, "bits": 4, "group": 32},
            source="METHODS.md section 19 (TaskPress; no paper, code or summary found)", provenance="description",
            inferred="all of it: the meta-query 'Answer the question about the text above.' read once after the "

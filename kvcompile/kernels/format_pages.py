@@ -1,0 +1,75 @@
+"""One layer's format pool as attention reads it: entries stored in a page format (``formats``; SPECTRA's rows with
+their basis, ``latent``), decoded a tile of pages at a time where they are read."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import latent
+from .formats import codec_of
+from .paging import gather_pages
+
+
+class FormatPages(NamedTuple):
+    """One layer's format pool (``kvcompile.cache``): codes and metadata of keys and values [N, P, W] and
+    [N, P, M] ([N, 1, M] for a page-local codec), in the format ``formats.codec_of`` reads from them; positions
+    [N, P], page table [B, Hkv, W'], lengths [B, Hkv]; ``basis``: the layer's latent basis [2, Hkv, D + 2, D] when
+    the pool holds SPECTRA's rows (``latent``), else None or empty. A head's entries live in its format pages and
+    its model-dtype pages: attention reads both."""
+
+    k: Tensor
+    k_meta: Tensor
+    v: Tensor
+    v_meta: Tensor
+    pos: Tensor
+    table: Tensor
+    lengths: Tensor
+    basis: Tensor | None = None
+
+    @property
+    def empty(self) -> bool:
+        """True when there is no format pool (a cache without a page format: a static shape, 0 pages)."""
+        return self.k.shape[0] == 0
+
+    @property
+    def latent(self) -> bool:
+        return self.basis is not None and self.basis.shape[0] > 0
+
+    def dense(self, head_dim: int, dtype: torch.dtype, pages: slice = slice(None)):
+        """Decoded keys, values [B, Hkv, S, D], positions and valid [B, Hkv, S] of the page-table columns
+        ``pages`` (S = their pages * P): a tile of the pool, decoded where it is read."""
+        table = self.table[..., pages]
+        pos = gather_pages(self.pos, table).long()
+        k, v = (self.rows(i, table, pos, head_dim, dtype) for i in (0, 1))
+        j = (pages.start or 0) * self.pos.shape[1] + torch.arange(k.shape[2], device=k.device)
+        return k, v, pos, j < self.lengths.unsqueeze(-1)
+
+    def rows(self, part: int, table: Tensor, pos: Tensor, head_dim: int, dtype=torch.float32) -> Tensor:
+        """The decoded keys (``part`` 0) or values (1) [B, Hkv, S, D] of the pages ``table`` [B, Hkv, W'] lists, at
+        their positions ``pos`` [B, Hkv, S] (latent keys are rotated to them)."""
+        codes, meta = (self.k, self.k_meta) if part == 0 else (self.v, self.v_meta)
+        codec = None if self.latent else codec_of(codes, meta, head_dim)
+        codes, meta = gather_pages(codes, table), gather_pages(meta, table)
+        if codec is None:
+            return latent.decode(codes, meta, self.basis[part], pos).to(dtype)
+        return codec.decode(codes, meta, dtype)
+
+    def scores(self, q: Tensor, table: Tensor, head_dim: int) -> Tensor:
+        """q [B, Hkv, G, D] times the keys of the pages ``table`` lists: [B, Hkv, G, S], read from the codes."""
+        if self.latent:
+            keys = self.rows(0, table, gather_pages(self.pos, table).long(), head_dim)
+            return torch.matmul(q, keys.to(q.dtype).transpose(-1, -2))
+        return codec_of(self.k, self.k_meta, head_dim).dot(q, gather_pages(self.k, table),
+                                                            gather_pages(self.k_meta, table))
+
+    def mix(self, p: Tensor, table: Tensor, head_dim: int) -> Tensor:
+        """Weights p [B, Hkv, G, S] times the values of the pages ``table`` lists: [B, Hkv, G, D]; latent rows are
+        summed in their basis and the sum mapped back (the basis applied after attention)."""
+        codes, meta = gather_pages(self.v, table), gather_pages(self.v_meta, table)
+        if self.latent:
+            return torch.matmul(torch.matmul(p, latent.latent_rows(codes, meta, self.basis[1]).to(p.dtype)),
+                                self.basis[1, :, :head_dim].to(p.dtype))
+        return codec_of(self.v, self.v_meta, head_dim).mix(p, codes, meta)

@@ -1,0 +1,188 @@
+"""SPECTRA's rows (``methods.spectra``; METHODS.md §12): a vector stored as codes of its coordinates in a per-head
+latent basis, each group of ``group`` latent channels at the width the basis allotted it, with an fp16 scale and
+minimum per group and token (a group at 0 bits keeps the token's mean over it there). Row-local, so rows move
+between a head's pages as bytes; but the codes mean nothing without their head's basis, which the cache holds.
+
+A layer's basis, as the cache holds it and attention reads it (``reference.FormatPages.basis``): [2, Hkv, D + 2, D],
+keys then values. Rows 0..D-1 map a latent row to the vector (``up``); row D holds the RoPE inverse frequencies,
+zero-padded (all zero for values, and for keys of a model without RoPE): keys are stored before RoPE, where the
+basis was measured, and rotated to their positions when read; row D + 1 holds each channel's width. Attention reads
+keys decoded a tile at a time (latent, ``up``, rotation), and mixes values in the latent basis, mapping only the
+weighted sum through ``up``: the basis is applied after attention, as §12 does.
+
+Codes: one bit plane per (group, bit) of the head's widths, group 0's from bit 0 up, then group 1's, ...; a plane
+holds one bit of the group's ``group`` channels, 8 a byte (channel c in bit c % 8). Every head spends the same
+bits, so rows have one width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..methods import spectra
+from ..methods.rope import rotate
+
+
+@dataclass(frozen=True)
+class LatentCodec:
+    """SPECTRA's rows at a mean of ``bits`` per channel in groups of ``group`` (``rotary``: keys, stored before
+    RoPE). What a row costs is fixed by these alone: the basis decides which group gets which width."""
+
+    bits: int
+    group: int = 32
+    rotary: bool = False
+    page_local = False
+
+    def group_of(self, head_dim: int) -> int:
+        """Channels a group holds at this head dim: ``group``, or the whole row when it is shorter."""
+        group = min(self.group, head_dim)
+        if head_dim % group or group % 8:
+            raise ValueError(f"spectra pages group latent channels by {group}, a multiple of 8 that must divide the "
+                             f"head dim; got head dim {head_dim}")
+        return group
+
+    def row_bytes(self, head_dim: int) -> int:
+        return head_dim * self.bits // 8 + 4 * (head_dim // self.group_of(head_dim))
+
+    def page_meta_bytes(self, head_dim: int) -> int:
+        return 0
+
+    def zeros(self, *rows: int, device=None) -> tuple[Tensor, Tensor]:
+        """Codes and meta of ``rows`` [..., D] rows that hold nothing yet (an empty pool's pages)."""
+        *shape, D = rows
+        groups = D // self.group_of(D)
+        return (torch.zeros(*shape, D * self.bits // 8, dtype=torch.uint8, device=device),
+                torch.zeros(*shape, 2 * groups, dtype=torch.float16, device=device))
+
+
+def layout(up: Tensor, widths: Tensor, inv_freq: Tensor | None = None) -> Tensor:
+    """One part's basis as the cache holds it: [H, D + 2, D] from ``up`` [H, D, D], group ``widths`` [H, n] and
+    the RoPE inverse frequencies [D / 2] (keys) or None."""
+    H, D, _ = up.shape
+    freq = up.new_zeros(H, 1, D)
+    if inv_freq is not None:
+        freq[..., : inv_freq.shape[-1]] = inv_freq.to(up.dtype)
+    channel_widths = widths.repeat_interleave(D // widths.shape[-1], -1).to(up.dtype)[:, None]
+    return torch.cat([up.float(), freq.float(), channel_widths.float()], 1)
+
+
+def model_basis(codec: LatentCodec, moments, rotary, head_dim: int) -> Tensor:
+    """[L, 2, Hkv, D + 2, D] the basis of every layer (``layout``) for rows in ``codec``, from each layer's (key,
+    value) second moments [Hkv, D, D] (``calibration.spectra``) and RoPE inverse frequencies (``rotary``: one per
+    layer, or () for none)."""
+    group, out = codec.group_of(head_dim), []
+    for layer, (keys, values) in enumerate(moments):
+        freq = torch.tensor(rotary[layer], dtype=torch.float32) if rotary and len(rotary[layer]) else None
+        parts = [spectra.basis(m, codec.bits, group) for m in (keys, values)]
+        out.append(torch.stack([layout(parts[0].up, parts[0].widths, freq), layout(parts[1].up, parts[1].widths)]))
+    return torch.stack(out)
+
+
+def widths_of(basis: Tensor, group: int) -> Tensor:
+    """[H, n] the group widths a part's basis [H, D + 2, D] holds."""
+    return basis[:, -1, ::group].round().long()
+
+
+def encode(x: Tensor, basis: Tensor, group: int, positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Vectors x [..., H, S, D] (keys post-RoPE at ``positions`` [..., H, S] when the basis has frequencies) ->
+    codes uint8 [..., H, S, W] and meta fp16 [..., H, S, 2 n] (scale and minimum of each of n groups)."""
+    widths = widths_of(basis, group)
+    latent = to_latent(x, basis, positions).unflatten(-1, (-1, group))  # [..., H, S, n, g]
+    w = widths[:, None, :, None]
+    low, high, mean = latent.amin(-1, keepdim=True), latent.amax(-1, keepdim=True), latent.mean(-1, keepdim=True)
+    levels = (2.0**w - 1).float()
+    scale = torch.where(w > 0, (high - low) / levels.clamp_min(1), 0.0).half()
+    low = torch.where(w > 0, low, mean).half()
+    q = ((latent - low.float()) / scale.float().clamp_min(2.0**-24)).round_().clamp_(min=0).minimum(levels)
+    return pack(q.to(torch.uint8), widths), torch.cat([scale, low], -1).flatten(-2)
+
+
+def encode_heads(x: Tensor, basis: Tensor, group: int, layer: Tensor, head: Tensor,
+                 positions: Tensor) -> list[Tensor]:
+    """``encode`` of rows x [n, D] of many heads, each in its own basis (``basis`` [L, Hkv, D + 2, D]; ``layer``,
+    ``head``, ``positions`` [n]: each row's), one head at a time: codes [n, W] and meta [n, 2 n_groups]."""
+    Hkv, D = basis.shape[1], basis.shape[-1]
+    codes = torch.zeros(x.shape[0], int(basis[0, 0, -1].sum()) // 8, dtype=torch.uint8, device=x.device)
+    meta = torch.zeros(x.shape[0], 2 * (D // group), dtype=torch.float16, device=x.device)
+    for pair in (layer * Hkv + head).unique().tolist():
+        at = layer * Hkv + head == pair
+        c, m = encode(x[at][None].float(), basis[pair // Hkv, pair % Hkv : pair % Hkv + 1], group, positions[at][None])
+        codes[at], meta[at] = c[0], m[0]
+    return [codes, meta]
+
+
+def to_latent(x: Tensor, basis: Tensor, positions: Tensor | None = None) -> Tensor:
+    """[..., H, S, D] the latent coordinates of vectors x (keys taken back to before RoPE first): what codes store."""
+    down = torch.linalg.inv(basis[:, : x.shape[-1]].double()).float()  # up = Σ^½ Vᵀ, so this is V Σ^-½
+    return _rotated(x.float(), basis, positions, -1) @ down
+
+
+def latent_rows(codes: Tensor, meta: Tensor, basis: Tensor) -> Tensor:
+    """[..., H, S, D] the latent rows that codes [..., H, S, W] and meta [..., H, S, 2 n] decode to."""
+    D, n = basis.shape[-1], meta.shape[-1] // 2
+    q = unpack(codes, widths_of(basis, D // n), D // n).float()  # [..., H, S, n, g]
+    scale, low = meta.float().unflatten(-1, (n, 2)).unbind(-1)
+    return (q * scale[..., None] + low[..., None]).flatten(-2)
+
+
+def decode(codes: Tensor, meta: Tensor, basis: Tensor, positions: Tensor | None = None) -> Tensor:
+    """``encode``'s inverse up to its rounding: vectors [..., H, S, D] float32, keys rotated to ``positions``."""
+    D = basis.shape[-1]
+    return _rotated(latent_rows(codes, meta, basis) @ basis[:, :D], basis, positions, 1)
+
+
+def error_bound(x: Tensor, basis: Tensor, group: int, positions: Tensor | None = None) -> Tensor:
+    """[..., H, S, D] the largest error ``decode(encode(x))`` may have in each *latent* channel: half a step (of
+    the rounded scale) plus the fp16 rounding of the grid; in a 0-bit group, the distance to the mean (rounded)."""
+    latent = to_latent(x, basis, positions).unflatten(-1, (-1, group))
+    w = widths_of(basis, group)[:, None, :, None]
+    low, high, mean = latent.amin(-1, keepdim=True), latent.amax(-1, keepdim=True), latent.mean(-1, keepdim=True)
+    levels = (2.0**w - 1).float().clamp_min(1)
+    scale = (high - low) / levels
+    grid = (low - low.half().float()).abs() + levels * (scale - scale.half().float()).abs()
+    dropped = (latent - mean).abs() + (mean - mean.half().float()).abs()
+    slack = 2.0**-16 * latent.abs().amax(-1, keepdim=True)  # the rotation and the basis's fp32 products
+    return (torch.where(w > 0, 0.5 * scale.half().float() + grid, dropped) + slack).flatten(-2)
+
+
+def _rotated(x: Tensor, basis: Tensor, positions: Tensor | None, sign: int) -> Tensor:
+    """x rotated by ``sign`` x ``positions`` with the basis's frequencies (as is without any)."""
+    D = basis.shape[-1]
+    freq = basis[0, D, : D // 2]
+    rotated = int((freq != 0).sum())  # the model's rotary frequencies (fewer than D / 2 under partial RoPE)
+    if positions is None or not rotated:
+        return x
+    return rotate(x, sign * positions.clamp_min(0), freq[:rotated])
+
+
+def _planes(widths: Tensor) -> tuple[Tensor, Tensor]:
+    """Per head, each bit plane's (group, bit) [H, P]."""
+    n = widths.shape[-1]
+    groups = torch.repeat_interleave(torch.arange(n, device=widths.device).expand_as(widths).flatten(),
+                                     widths.flatten()).view(widths.shape[0], -1)
+    first = torch.cumsum(widths, -1) - widths  # each group's first plane
+    return groups, torch.arange(groups.shape[-1], device=widths.device) - first.gather(-1, groups)
+
+
+def pack(q: Tensor, widths: Tensor) -> Tensor:
+    """Codes q [..., H, S, n, g] (group i's below 2^widths[h, i]) -> bytes [..., H, S, P g / 8]."""
+    groups, bit = _planes(widths)  # [H, P]
+    g = q.shape[-1]
+    index = groups[:, None, :, None].expand(*q.shape[:-2], groups.shape[-1], g)
+    planes = (q.gather(-2, index).to(torch.int32) >> bit[:, None, :, None]) & 1  # [..., H, S, P, g]
+    weights = 2 ** torch.arange(8, device=q.device, dtype=torch.int32)
+    return (planes.unflatten(-1, (g // 8, 8)) * weights).sum(-1).to(torch.uint8).flatten(-2)
+
+
+def unpack(codes: Tensor, widths: Tensor, group: int) -> Tensor:
+    """``pack``'s inverse: [..., H, S, n, g] uint8 codes."""
+    groups, bit = _planes(widths)
+    H, P = groups.shape
+    shifts = torch.arange(8, device=codes.device, dtype=torch.uint8)
+    planes = ((codes.unflatten(-1, (P, group // 8))[..., None] >> shifts) & 1).flatten(-2).float()  # [..., P, g]
+    place = torch.zeros(H, P, widths.shape[-1], device=codes.device)
+    place.scatter_(-1, groups[..., None], (2.0 ** bit.float())[..., None])  # plane p adds 2^bit to its group
+    return torch.einsum("...hspc,hpn->...hsnc", planes, place).round_().to(torch.uint8)
