@@ -26,6 +26,11 @@ pages: ``bench/results/formats_speed.{json,md}``.
 full+int4, full+int8: quantize-only where every token fits) at ``--budgets``: ``bench/results/formats_methods.*``.
 
     python bench/formats.py --methods think,snapkv+think,minima-kv --references "" --budgets 0.8,0.4,0.25 --samples 3
+
+``--ablate-taskpress`` runs ``taskpress+int4`` beside each half of its score (the meta-query's attention alone, the
+value scale alone) at ``--budgets``: ``bench/results/formats_taskpress_ablation.*``.
+
+    python bench/formats.py --ablate-taskpress --budgets 0.1 --samples 20
 """
 
 from __future__ import annotations
@@ -82,6 +87,14 @@ def method_cells(methods: list[str], budgets: list[float], head_dim: int,
         share += (1 - share) / r.precise_anchors if r.precise_anchors else 0.0  # anchor pages in fp32
         out += [(recipe, b) for b in budgets if share <= 0.95 * b]
     return out
+
+
+def ablation_cells(budgets: list[float]) -> list[tuple]:
+    """``taskpress+int4`` and its two halves: the meta-query's attention alone, the value scale alone."""
+    base = in_format("taskpress", "int4")
+    halves = [dataclasses.replace(base, name=f"taskpress-{half}+int4", scorer_args={**base.scorer_args, **change})
+              for half, change in (("attention", {"scaled": False}), ("scale", {"meta_query": ""}))]
+    return [(r, b) for r in (base, *halves) for b in budgets]
 
 
 def recent_cells(windows: list[int], budgets: list[float]) -> list[tuple]:
@@ -263,6 +276,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="with --speed: eager only")
     parser.add_argument("--kernel", action="store_true", help="with --speed: one layer's attention op, not the model")
     parser.add_argument("--recent", default=None, help="precise recent windows beside snapkv+int4, e.g. 16,64")
+    parser.add_argument("--ablate-taskpress", action="store_true", help="taskpress+int4 and each half of its score")
     parser.add_argument("--budgets", default="0.125,0.1", help="with --recent or --methods")
     parser.add_argument("--methods", default=None, help="recipes beside the references, e.g. think,snapkv+think")
     parser.add_argument("--references", default=",".join(METHOD_REFERENCES), help="with --methods ('' for none)")
@@ -283,15 +297,18 @@ def main() -> None:
         return
     model, tokenizer = kvcompile.load_model(args.model)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
-    budgets = [float(b) for b in args.budgets.split(",")] if args.recent or args.methods else list(BUDGETS)
+    own = args.recent or args.ablate_taskpress  # grids of Recipe objects, not names
+    budgets = [float(b) for b in args.budgets.split(",")] if own or args.methods else list(BUDGETS)
     if args.methods:
         grid = method_cells(args.methods.split(","), budgets, cm.spec.head_dim,
                             [r for r in args.references.split(",") if r])
     elif args.recent:
         grid = recent_cells([int(w) for w in args.recent.split(",")], budgets)
+    elif args.ablate_taskpress:
+        grid = ablation_cells(budgets)
     else:
         grid = cells(cm.spec.head_dim)
-    recipes = list({r.name: r for r, _ in grid}.values()) if args.recent else sorted({r for r, _ in grid})
+    recipes = list({r.name: r for r, _ in grid}.values()) if own else sorted({r for r, _ in grid})
     # the sweep runs every recipe at every budget; a quantize-only cell whose tokens do not fit fails fast
     # (``apply`` refuses it) and is left out of the table
     result = sweep.run(cm, tokenizer, recipes, budgets, args.tasks.split(","),
@@ -300,7 +317,8 @@ def main() -> None:
     wanted = {(name(r), str(Budget.parse(b))) for r, b in grid} | {("full", "1")}
     rows = [r for r in result["rows"] if (r["recipe"], r["budget"]) in wanted]
     config = {**result["config"], "model": args.model}
-    default = "formats_recent" if args.recent else "formats_methods" if args.methods else "formats"
+    default = ("formats_recent" if args.recent else "formats_taskpress_ablation" if args.ablate_taskpress
+               else "formats_methods" if args.methods else "formats")
     out = Path(args.out or RESULTS / default)
     out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows, "timing": result["timing"]},
                                                    indent=1))

@@ -28,25 +28,23 @@ from kvcompile.calibration import spectra as calibration
 from kvcompile.eval.fidelity import calibration_windows
 from kvcompile.kernels import latent
 from kvcompile.kernels.formats import IntCodec
-from kvcompile.methods import spectra
 
-# (codec, bits, group); "spectra-sampled": the moments apply measures (text the model samples itself)
-CODECS = [("int4", 4, 32), ("spectra", 4, 32), ("spectra-sampled", 4, 32), ("spectra", 3, 16), ("int3", 3, 32),
-          ("spectra", 3, 32), ("spectra", 2, 16), ("int2", 2, 32), ("spectra", 2, 32)]
+# (codec, bits, group); "-sampled": the moments apply measures (text the model samples itself); "saki": SAKI's keys
+# (§20's basis, bits by score error) beside values as int4 (the format saki4)
+CODECS = [("int4", 4, 32), ("spectra", 4, 32), ("spectra-sampled", 4, 32), ("saki", 4, 32), ("spectra", 3, 16),
+          ("int3", 3, 32), ("spectra", 3, 32), ("spectra", 2, 16), ("int2", 2, 32), ("spectra", 2, 32)]
 
 
 def _label(kind: str, bits: int, group: int) -> str:
-    return kind if kind.startswith("int") else f"{kind.replace('spectra', f'spectra{bits}/g{group}')}"
+    return kind if kind.startswith("int") else f"{kind.replace('spectra', f'spectra{bits}/g{group}')}".replace(
+        "saki", f"saki{bits}")
 
 
-def _bases(moments, bits: int, group: int, rotary) -> list[tuple]:
-    """Per layer, (keys, values) bases as the cache holds them (``latent.layout``)."""
-    out = []
-    for layer, pair in enumerate(moments):
-        freq = torch.tensor(rotary[layer], dtype=torch.float32) if rotary[layer] else None
-        parts = [spectra.basis(m, bits, group) for m in pair]
-        out.append((latent.layout(parts[0].up, parts[0].widths, freq), latent.layout(parts[1].up, parts[1].widths)))
-    return out
+def _bases(moments, kind: str, bits: int, group: int, rotary) -> torch.Tensor:
+    """[L, 2, Hkv, 2D + 3, D] the bases a latent format of ``kind`` ("spectra" or "saki") keeps (``latent``)."""
+    keys = latent.LatentCodec(bits, group, rotary=True, basis=kind)
+    values = latent.LatentCodec(bits, group, basis="identity" if kind == "saki" else kind)
+    return latent.model_basis((keys, values), moments, rotary, moments[0].keys.shape[-1])
 
 
 def _int_round_trip(bits: int, group: int, x):
@@ -71,13 +69,14 @@ def main() -> None:
     moments = calibration.calibrate(cm, calib)
     rotary = cm.spec.rotary or [()] * cm.spec.num_layers
     energy = {"keys": [], "values": []}
-    for k_moment, v_moment in moments:
-        for name, m in (("keys", k_moment), ("values", v_moment)):
+    for layer in moments:
+        for name, m in (("keys", layer.keys), ("values", layer.values)):
             values = torch.linalg.eigvalsh(m).flip(-1)
             energy[name].append((values[:, : m.shape[-1] // 4].sum(-1) / values.sum(-1)).mean().item())
     sampled = calibration.sampled_moments(cm)
-    bases = {(kind, bits, group): _bases(sampled if kind == "spectra-sampled" else moments, bits, group, rotary)
-             for kind, bits, group in CODECS if kind.startswith("spectra")}
+    bases = {(kind, bits, group): _bases(sampled if kind.endswith("-sampled") else moments, kind.split("-")[0], bits,
+                                         group, rotary)
+             for kind, bits, group in CODECS if not kind.startswith("int")}
     sums: dict[str, list[float]] = {}
     row_bytes: dict[str, int] = {}
     for window in held_out:
@@ -91,7 +90,7 @@ def main() -> None:
             exact = exact_w @ values
             for kind, bits, group in CODECS:
                 label = _label(kind, bits, group)
-                if kind.startswith("spectra"):
+                if not kind.startswith("int"):
                     kb, vb = bases[(kind, bits, group)][layer]
                     k = latent.decode(*latent.encode(keys, kb, group, pos), kb, pos)
                     v = latent.decode(*latent.encode(values, vb, group), vb)

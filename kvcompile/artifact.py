@@ -7,7 +7,7 @@ The artifact is a folder::
                               AOTInductor packages: (*signature.INPUTS) -> logits
                               (``backend="tensorrt"``: ``*.ep``, exported programs holding TensorRT engines)
     kvcompile.json            spec (geometry, dtype, windows), per-layer scales, recipe, budget, page size
-    latent_moments.safetensors  a SPECTRA format's calibration (``CompressedModel.latent_moments``), when it has one
+    latent_moments.safetensors  a latent format's calibration (SPECTRA, SAKI) (``CompressedModel.latent_moments``), when it has one
 
 The cache stays outside the packages (its tensors are program inputs, mutated in place), so the loaded model
 allocates, compresses and reports bytes exactly like the in-memory one. The kvcompile ops run through the
@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from .budget import Budget
 from .cache import PagedKVCache
+from .methods.spectra import Moments
 from .model import CompressedModel
 from .programs import Programs
 from .recipes import Recipe
@@ -126,16 +127,16 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         "torch": torch.__version__,
     }
     (out / "kvcompile.json").write_text(json.dumps(meta, indent=1))
-    if cm.latent_moments is not None:  # a SPECTRA format's calibration: the basis its pages are stored in
-        save_file({f"{i}.{part}": m.contiguous() for i, pair in enumerate(cm.latent_moments)
-                   for part, m in zip(("keys", "values"), pair)}, out / MOMENTS)
+    if cm.latent_moments is not None:  # a latent format's calibration: the basis its pages are stored in
+        save_file({f"{i}.{part}": m.contiguous() for i, layer in enumerate(cm.latent_moments)
+                   for part, m in zip(Moments._fields, layer)}, out / MOMENTS)
     return out
 
 
-def _moments(file: Path) -> list[tuple]:
-    """A SPECTRA calibration written by ``export``: per layer (keys, values) second moments."""
-    tensors = load_file(file)
-    return [(tensors[f"{i}.keys"], tensors[f"{i}.values"]) for i in range(len(tensors) // 2)]
+def _moments(file: Path) -> list[Moments]:
+    """A latent format's calibration written by ``export``: per layer, its ``Moments``."""
+    tensors, n = load_file(file), len(Moments._fields)
+    return [Moments(*(tensors[f"{i}.{part}"] for part in Moments._fields)) for i in range(len(tensors) // n)]
 
 
 class _GenerationConfig:

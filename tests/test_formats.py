@@ -158,11 +158,15 @@ def test_tiles_merge_to_one_softmax(name):
     dense = reference.gather_dense(*pool)
     one = reference.merged_attention(q, q_pos, dense, stored, 0.4, 0, 1 << 26, tile_tokens=10**6)
     many = reference.merged_attention(q, q_pos, dense, stored, 0.4, 0, 1 << 26, tile_tokens=1)
-    # tiles change the float32 summation order, and the outlier channels make the terms large (seed 375324674: 3.4e-5)
-    torch.testing.assert_close(one, many, atol=1e-4, rtol=1e-4)
+    # tiles change the float32 summation order, and the outlier channels make logits of |s| up to ~4000, whose fp32
+    # rounding (a few ulps of s) reaches the softmax weights: the tolerance scales with both (seed 326 of a fixed
+    # generator: 4.0e-4 at |s| 3574, |out| 1.96)
+    logits = 0.4 * (q.view(1, 2, 2, D) @ stored.dense(D, torch.float32)[0].transpose(-1, -2)).abs().max()
+    atol = 1e-4 + 2**-21 * float(logits) * float(one.abs().max())
+    torch.testing.assert_close(one, many, atol=atol, rtol=1e-4)
     for tile in (1, P, 10**6):
         torch.testing.assert_close(reference.stored_decode(q, dense, stored, 0.4, tile_tokens=tile), one,
-                                   atol=1e-4, rtol=1e-4)
+                                   atol=atol, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------- through the public API
@@ -187,7 +191,8 @@ def test_quantize_only_is_close_to_the_full_model_and_reports_its_bytes(llama_cm
     assert stats["bytes_allocated"] == tensors
     # the next token's logits, read over the format pages, stay near the full model's
     nxt = ref[:, -1:].argmax(-1)
-    tol = {"int2": 2.0, "int3": 1.0, "tq3": 1.0, "int4": 0.5, "spectra2": 2.0, "spectra3": 1.0, "spectra4": 0.5}.get(name, 0.1)
+    tol = {"int2": 2.0, "int3": 1.0, "tq3": 1.0, "int4": 0.5, "spectra2": 2.0, "spectra3": 1.0, "spectra4": 0.5,
+           "saki4": 0.5}.get(name, 0.1)
     got, want = cm.decode(nxt), full.decode(nxt)
     assert (got - want).abs().max() < tol, f"{name}: {(got - want).abs().max()}"
 

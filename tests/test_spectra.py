@@ -1,6 +1,7 @@
-"""SPECTRA (METHODS.md §12): the basis against §12's own construction, the bit allocation against brute force, rows
-within their stated bound, attention over latent pages against the dense oracle, and the format through the
-public API (calibrated by ``apply``, bytes within the budget, compiled, forked)."""
+"""Latent page formats: SPECTRA (METHODS.md §12: the basis against §12's own construction, the bit allocation
+against brute force) and SAKI's keys (§20: the code channels' score energies), rows within their stated bound,
+attention over latent pages against the dense oracle, and the formats through the public API (calibrated by
+``apply``, bytes within the budget, forked)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import kvcompile
 from conftest import assert_head_attends, left_padded_batch
 from kvcompile.kernels import latent, reference
-from kvcompile.methods import spectra
+from kvcompile.methods import saki, spectra
 from kvcompile.methods.rope import rotate
 
 
@@ -67,6 +68,33 @@ def test_allocation_is_the_integer_optimum_of_the_water_filling_objective():
         best = min((w for w in itertools.product(range(9), repeat=3) if sum(w) == steps), key=cost)
         assert int(widths.sum()) == steps and max(widths.tolist()) <= spectra.MAX_BITS
         assert cost(widths.tolist()) <= cost(best) + 1e-9, (widths.tolist(), best)
+
+
+def test_saki_keys_read_back_exactly_at_full_rank_and_code_errors_cost_their_score_energy():
+    """SAKI's basis at full rank (what ``saki4`` stores, before quantizing): μ + B_q B_kᵀ (k - μ) = k, and an error δ
+    in code channel i moves a query's score by a mean square of λ_i δ² over the calibration queries (up Σq upᵀ =
+    diag λ): what the widths are allocated by."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    D, n = 16, 400
+    keys, queries = correlated_rows(n, D, g), correlated_rows(n, D, g)
+    mean = keys.mean(1)
+    sigma_k, sigma_q = keys.transpose(-1, -2) @ keys / n, queries.transpose(-1, -2) @ queries / n
+    moments = [spectra.Moments(sigma_k.double(), sigma_k.double(), sigma_q.double(), mean.double())]
+    codecs = (latent.LatentCodec(4, 8, rotary=True, basis="saki"), latent.LatentCodec(4, 8, basis="identity"))
+    basis = latent.model_basis(codecs, moments, (), D)[0]
+    k_basis = basis[0]
+    back = latent.to_latent(keys, k_basis) @ k_basis[:, :D] + k_basis[:, 2 * D, None]
+    torch.testing.assert_close(back, keys, atol=1e-3 * float(keys.abs().max()), rtol=1e-3)
+    for h in range(2):
+        energies = saki.score_energies(sigma_q[h].double(), (sigma_k[h] - torch.outer(mean[h], mean[h])).double())
+        up = k_basis[h, :D].double()
+        torch.testing.assert_close(up @ sigma_q[h].double() @ up.T, torch.diag(energies),
+                                   atol=1e-3 * float(energies.max()), rtol=0)
+        widths = latent.widths_of(k_basis, 8)[h]
+        assert torch.equal(widths, spectra.allocate(energies.square(), 4 * D // 8, 8)), "bits by score error"
+    v_basis = basis[1]  # values: the rows themselves, every group at the codec's bits
+    torch.testing.assert_close(v_basis[:, :D], torch.eye(D).expand(2, D, D))
+    assert bool((latent.widths_of(v_basis, 8) == 4).all())
 
 
 @pytest.mark.parametrize("bits, group", [(4, 16), (3, 16), (2, 32), (8, 32)])
@@ -152,26 +180,29 @@ def test_attention_over_latent_pages_equals_dense_attention_over_the_decoded_row
 
 
 # --------------------------------------------------------------------------- through the public API
-def test_spectra_is_calibrated_by_apply_holds_its_budget_and_forks_with_its_basis(llama_cm):
-    """``apply`` calibrates the basis (deterministic, so a second model gets the same one), every token is stored
-    at int4's bytes, the next token stays near the full model's, and a fork to an evicting SPECTRA recipe keeps
-    the basis its stored rows need."""
+@pytest.mark.parametrize("recipe, fmt", [("spectra", "spectra4"), ("saki", "saki4")])
+def test_a_latent_format_stores_every_token_at_int4_bytes_and_stays_near_the_full_model(llama_cm, recipe, fmt):
+    """``apply`` calibrates the basis (deterministic, so a second model gets the same one); every token is stored at
+    int4's bytes, the basis is allocated and reported, and the next token stays near the full model's."""
     ids, mask = left_padded_batch([60, 47], total=60, seed=3)
     full = kvcompile.apply(llama_cm, budget=1.0, recipe="full", page_size=4)
     nxt = full.prefill(ids, mask)[:, -1:].argmax(-1)
-    want = full.decode(nxt)
-    cm = kvcompile.apply(llama_cm, budget=0.25, recipe="spectra", page_size=4)
+    cm = kvcompile.apply(llama_cm, budget=0.25, recipe=recipe, page_size=4)
     cm.prefill(ids, mask)
     stats = cm.cache_stats()
-    assert stats["formats"]["spectra4"]["tokens"] == stats["tokens_held"] == int(mask.sum()) * 3 * 2, "none evicted"
-    assert stats["bytes_held"] <= stats["budget_bytes"]
+    assert stats["formats"][fmt]["tokens"] == stats["tokens_held"] == int(mask.sum()) * 3 * 2, "none evicted"
     int4 = kvcompile.apply(llama_cm, budget=0.25, recipe="full+int4", page_size=4)
     int4.prefill(ids, mask)
-    assert stats["bytes_held"] == int4.cache_stats()["bytes_held"], "spectra4 rows cost int4's bytes"
+    assert stats["bytes_held"] == int4.cache_stats()["bytes_held"] <= stats["budget_bytes"], "int4's bytes"
     assert stats["bytes"]["tables"] >= cm.cache.fmt_basis.nbytes > 0, "the basis is allocated and reported"
-    again = kvcompile.apply(llama_cm, budget=0.25, recipe="spectra", page_size=4)
+    again = kvcompile.apply(llama_cm, budget=0.25, recipe=recipe, page_size=4)
     assert torch.equal(again.cache.fmt_basis, cm.cache.fmt_basis), "the calibration is deterministic"
-    assert (cm.decode(nxt) - want).abs().max() < 0.5
+    assert (cm.decode(nxt) - full.decode(nxt)).abs().max() < 0.5
+
+
+def test_a_re_target_and_forks_keep_the_calibration_their_stored_rows_need(llama_cm):
+    ids, mask = left_padded_batch([60, 47], total=60, seed=3)
+    cm = kvcompile.apply(llama_cm, budget=0.25, recipe="spectra", page_size=4)
     shared = kvcompile.apply(cm, budget=0.1, recipe="snapkv+spectra4")
     assert shared.latent_moments is cm.latent_moments, "a re-target keeps the calibration"
     shared.prefill(ids, mask, compress=False)

@@ -56,12 +56,15 @@ def context(n: int, seed: int) -> torch.Tensor:
     return torch.randint(2, 250, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def test_with_a_meta_query_it_keeps_the_top_attention_times_scale(lm):
+@pytest.mark.parametrize("scaled", [True, False])
+def test_with_a_meta_query_it_keeps_the_top_attention_times_scale(lm, scaled):
     """Against the plain model over [context, meta-query]: per (layer, KV head), the kept tokens are the top of the
-    meta-query's largest attention (over its tokens and the GQA group) times the value scale; the meta-query is gone
-    afterwards, and the bytes are within the budget."""
+    meta-query's largest attention (over its tokens and the GQA group) times the value scale (``scaled=False``: the
+    attention alone); the meta-query is gone afterwards, and the bytes are within the budget."""
     model, tok = lm
     recipe = anchors.resolve("taskpress", tok)
+    if not scaled:
+        recipe = dataclasses.replace(recipe, scorer_args={**recipe.scorer_args, "scaled": False})
     meta = torch.tensor([recipe.scorer_args["instruction_ids"]])
     assert tok.decode(meta[0]) == "Answer the question about the text above."
     n = 96
@@ -73,7 +76,7 @@ def test_with_a_meta_query_it_keeps_the_top_attention_times_scale(lm):
         cache = model(ids, use_cache=True).past_key_values
     scale = torch.stack([value_scale(layer.values[0], 4, 32) for layer in cache.layers])  # [L, Hkv, n]
     probe = attn[:, 0, :, n:, :n].amax(2).unflatten(1, (2, 2)).amax(2)  # [L, Hkv, n]
-    reference(probe * scale, kept_positions(cm, 2))
+    reference(probe * scale if scaled else probe, kept_positions(cm, 2))
     stats = cm.cache_stats()
     assert int(cm.seen[0]) == n and stats["bytes_held"] <= stats["budget_bytes"]
 

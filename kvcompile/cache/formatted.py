@@ -11,7 +11,7 @@ Layout (one pool for all layers, as the model-dtype one)::
     fmt_lengths             : [L, B, Hkv] entries head (l, b, h) holds in this pool
     fmt_channels            : [L, B, Hkv, W] the key channels each head keeps, for a format that drops some
                                           (ThinK's ``PrunedCodec``; W = 0 for any other): what its pages list
-    fmt_basis               : [L, 2, Hkv, D + 2, D] the model's basis of SPECTRA's rows (``kernels.latent``;
+    fmt_basis               : [L, 2, Hkv, 2D + 3, D] the model's basis of latent rows (``kernels.latent``;
                                           [L, 0, ...] for any other format), set with the format
 
 A head's entries, in logical order, are its format entries then its model-dtype entries (``lengths``), so the plans
@@ -93,7 +93,7 @@ class FormatPool:
                              "(kvcompile.apply calibrates it)")
         L, Hkv, D = self.num_layers, self.num_kv_heads, self.head_dim
         self.fmt_basis = (basis.to(self.device, torch.float32) if latent else
-                          torch.zeros(L, 0, Hkv, D + 2, D, device=self.device))
+                          torch.zeros(L, 0, Hkv, 2 * D + 3, D, device=self.device))
         if page_format != self.page_format or not self.fmt_k.numel():
             self.page_format = page_format
             self._empty_format_pool(self.batch_size)

@@ -16,7 +16,7 @@ from .paging import gather_pages
 class FormatPages(NamedTuple):
     """One layer's format pool (``kvcompile.cache``): codes and metadata of keys and values [N, P, W] and
     [N, P, M] ([N, 1, M] for a page-local codec), in the format ``formats.codec_of`` reads from them; positions
-    [N, P], page table [B, Hkv, W'], lengths [B, Hkv]; ``basis``: the layer's latent basis [2, Hkv, D + 2, D] when
+    [N, P], page table [B, Hkv, W'], lengths [B, Hkv]; ``basis``: the layer's latent basis [2, Hkv, 2D + 3, D] when
     the pool holds SPECTRA's rows (``latent``), else None or empty. A head's entries live in its format pages and
     its model-dtype pages: attention reads both."""
 
@@ -70,6 +70,8 @@ class FormatPages(NamedTuple):
         summed in their basis and the sum mapped back (the basis applied after attention)."""
         codes, meta = gather_pages(self.v, table), gather_pages(self.v_meta, table)
         if self.latent:
-            return torch.matmul(torch.matmul(p, latent.latent_rows(codes, meta, self.basis[1]).to(p.dtype)),
-                                self.basis[1, :, :head_dim].to(p.dtype))
+            basis = self.basis[1].to(p.dtype)  # the weighted sum, then up and the mean (p's mass in this tile)
+            mixed = torch.matmul(torch.matmul(p, latent.latent_rows(codes, meta, self.basis[1]).to(p.dtype)),
+                                 basis[:, :head_dim])
+            return mixed + p.sum(-1, keepdim=True) * basis[:, 2 * head_dim, None]
         return codec_of(self.v, self.v_meta, head_dim).mix(p, codes, meta)

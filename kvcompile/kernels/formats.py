@@ -19,6 +19,7 @@ Codecs (D = head dim, G = group size along D):
     spectra4..2  SPECTRA: rows in a per-head latent basis calibrated per model, bits per channel group by energy
                  (``latent``; int4..int2's bytes: codes of 4..2 bits a channel on average, fp16 scale and minimum
                  per group of 32); the basis is the cache's (``fmt_basis``), so ``codec_of`` never names it
+    saki4        SAKI: keys in the score-preserving basis of §20 (bits by score error), values as int4 (``latent``)
 
 Quantization runs in PyTorch (the Triton interpreter's fp32 -> fp8 cast is wrong for a few percent of values) and
 float8 codes are only cast, never computed on (CPU float8 has no arithmetic).
@@ -136,6 +137,7 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("think", PrunedCodec(0.5), FloatCodec(torch.float32)),  # ThinK at rho = 0.5, values unchanged
     PageFormat("tq3", TQ3Keys(), TQ3Values()),  # Minima-KV's packed 3-bit pages
     *(PageFormat(f"spectra{b}", LatentCodec(b, 32, rotary=True), LatentCodec(b, 32)) for b in (4, 3, 2)),
+    PageFormat("saki4", LatentCodec(4, 32, rotary=True, basis="saki"), LatentCodec(4, 32, basis="identity")),
 )}
 
 
@@ -154,7 +156,7 @@ def latent_basis(page_format: str | None, moments, rotary, head_dim: int) -> Ten
     if moments is None:
         raise ValueError(f"{page_format} pages are stored in a basis calibrated for the model; build the model with "
                          "kvcompile.apply, which calibrates it")
-    return latent.model_basis(fmt.key, moments, rotary, head_dim)
+    return latent.model_basis((fmt.key, fmt.value), moments, rotary, head_dim)
 
 
 def codec_of(codes: Tensor, meta: Tensor, head_dim: int):

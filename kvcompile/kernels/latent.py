@@ -3,10 +3,11 @@ latent basis, each group of ``group`` latent channels at the width the basis all
 minimum per group and token (a group at 0 bits keeps the token's mean over it there). Row-local, so rows move
 between a head's pages as bytes; but the codes mean nothing without their head's basis, which the cache holds.
 
-A layer's basis, as the cache holds it and attention reads it (``reference.FormatPages.basis``): [2, Hkv, D + 2, D],
-keys then values. Rows 0..D-1 map a latent row to the vector (``up``); row D holds the RoPE inverse frequencies,
-zero-padded (all zero for values, and for keys of a model without RoPE): keys are stored before RoPE, where the
-basis was measured, and rotated to their positions when read; row D + 1 holds each channel's width. Attention reads
+A layer's basis, as the cache holds it and attention reads it (``FormatPages.basis``): [2, Hkv, 2D + 3, D], keys
+then values. Rows 0..D-1 map a latent row to the vector (``up``), rows D..2D-1 a vector to its latent (``down``),
+row 2D is the mean subtracted first (SAKI's key mean; 0 for SPECTRA), row 2D + 1 the RoPE inverse frequencies,
+zero-padded (all zero for values, and for keys of a model without RoPE: keys are stored before RoPE, where the
+basis was measured, and rotated to their positions when read), row 2D + 2 each channel's width. Attention reads
 keys decoded a tile at a time (latent, ``up``, rotation), and mixes values in the latent basis, mapping only the
 weighted sum through ``up``: the basis is applied after attention, as §12 does.
 
@@ -22,26 +23,29 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..methods import spectra
+from ..methods import saki, spectra
 from ..methods.rope import rotate
 
 
 @dataclass(frozen=True)
 class LatentCodec:
-    """SPECTRA's rows at a mean of ``bits`` per channel in groups of ``group`` (``rotary``: keys, stored before
-    RoPE). What a row costs is fixed by these alone: the basis decides which group gets which width."""
+    """Rows in a per-head basis at a mean of ``bits`` per channel in groups of ``group`` (``rotary``: keys, stored
+    before RoPE). ``basis`` names its construction (``model_basis``): "spectra" (§12), "saki" (SAKI's
+    score-preserving factorisation of keys, §20) or "identity" (the rows themselves, int4-like). What a row costs is
+    fixed by ``bits`` and ``group`` alone: the basis decides which group gets which width."""
 
     bits: int
     group: int = 32
     rotary: bool = False
+    basis: str = "spectra"
     page_local = False
 
     def group_of(self, head_dim: int) -> int:
         """Channels a group holds at this head dim: ``group``, or the whole row when it is shorter."""
         group = min(self.group, head_dim)
         if head_dim % group or group % 8:
-            raise ValueError(f"spectra pages group latent channels by {group}, a multiple of 8 that must divide the "
-                             f"head dim; got head dim {head_dim}")
+            raise ValueError(f"latent pages group channels by {group}, a multiple of 8 that must divide the head "
+                             f"dim; got head dim {head_dim}")
         return group
 
     def row_bytes(self, head_dim: int) -> int:
@@ -58,31 +62,53 @@ class LatentCodec:
                 torch.zeros(*shape, 2 * groups, dtype=torch.float16, device=device))
 
 
-def layout(up: Tensor, widths: Tensor, inv_freq: Tensor | None = None) -> Tensor:
-    """One part's basis as the cache holds it: [H, D + 2, D] from ``up`` [H, D, D], group ``widths`` [H, n] and
-    the RoPE inverse frequencies [D / 2] (keys) or None."""
+def layout(up: Tensor, widths: Tensor, inv_freq: Tensor | None = None, down: Tensor | None = None,
+           mean: Tensor | None = None) -> Tensor:
+    """One part's basis as the cache holds it: [H, 2D + 3, D] from ``up`` [H, D, D] (latent -> vector), group
+    ``widths`` [H, n], the RoPE inverse frequencies [D / 2] (keys) or None, ``down`` [H, D, D] (vector -> latent;
+    default ``up``'s inverse) and the ``mean`` [H, D] subtracted first (default 0)."""
     H, D, _ = up.shape
-    freq = up.new_zeros(H, 1, D)
+    down = torch.linalg.inv(up.double()).float() if down is None else down.float()
+    mean = up.new_zeros(H, D) if mean is None else mean
+    freq = up.new_zeros(H, D)
     if inv_freq is not None:
         freq[..., : inv_freq.shape[-1]] = inv_freq.to(up.dtype)
-    channel_widths = widths.repeat_interleave(D // widths.shape[-1], -1).to(up.dtype)[:, None]
-    return torch.cat([up.float(), freq.float(), channel_widths.float()], 1)
+    channel_widths = widths.repeat_interleave(D // widths.shape[-1], -1).to(up.dtype)
+    return torch.cat([up.float(), down, torch.stack([mean.float(), freq.float(), channel_widths.float()], 1)], 1)
 
 
-def model_basis(codec: LatentCodec, moments, rotary, head_dim: int) -> Tensor:
-    """[L, 2, Hkv, D + 2, D] the basis of every layer (``layout``) for rows in ``codec``, from each layer's (key,
-    value) second moments [Hkv, D, D] (``calibration.spectra``) and RoPE inverse frequencies (``rotary``: one per
-    layer, or () for none)."""
-    group, out = codec.group_of(head_dim), []
-    for layer, (keys, values) in enumerate(moments):
+def model_basis(codecs, moments, rotary, head_dim: int) -> Tensor:
+    """[L, 2, Hkv, 2D + 3, D] the basis of every layer (``layout``) for rows in ``codecs`` (key, value), from each
+    layer's calibration (``methods.spectra.Moments``, ``calibration.spectra``) and RoPE inverse frequencies
+    (``rotary``: one per layer, or () for none)."""
+    out = []
+    for layer, m in enumerate(moments):
         freq = torch.tensor(rotary[layer], dtype=torch.float32) if rotary and len(rotary[layer]) else None
-        parts = [spectra.basis(m, codec.bits, group) for m in (keys, values)]
-        out.append(torch.stack([layout(parts[0].up, parts[0].widths, freq), layout(parts[1].up, parts[1].widths)]))
+        out.append(torch.stack([_part(codec, m, part, freq if part == 0 else None, head_dim)
+                                for part, codec in enumerate(codecs)]))
     return torch.stack(out)
 
 
+def _part(codec: LatentCodec, m, part: int, freq, D: int) -> Tensor:
+    """One layer's basis of keys (``part`` 0) or values for ``codec``."""
+    group = codec.group_of(D)
+    H, steps = m.keys.shape[0], codec.bits * D // group
+    if codec.basis == "identity":
+        eye = torch.eye(D).expand(H, D, D)
+        return layout(eye, torch.full((H, D // group), codec.bits), freq)
+    if codec.basis == "saki":  # keys only: codes c = B_kᵀ(k - μ), read back as μ + B_q c (§20 at full rank)
+        maps = [saki.saki(q, k - torch.outer(mu, mu), mu, D)[0] for q, k, mu in zip(m.queries, m.keys, m.key_mean)]
+        energy = torch.stack([saki.score_energies(q, k - torch.outer(mu, mu))
+                              for q, k, mu in zip(m.queries, m.keys, m.key_mean)])
+        widths = torch.stack([spectra.allocate(e.square(), steps, group) for e in energy])  # score error: λ² 4^-b
+        return layout(torch.stack([x.query_map.T for x in maps]).float(), widths, freq,
+                      torch.stack([x.key_map for x in maps]), m.key_mean.float())
+    parts = spectra.basis(m.keys if part == 0 else m.values, codec.bits, group)
+    return layout(parts.up, parts.widths, freq)
+
+
 def widths_of(basis: Tensor, group: int) -> Tensor:
-    """[H, n] the group widths a part's basis [H, D + 2, D] holds."""
+    """[H, n] the group widths a part's basis [H, 2D + 3, D] holds."""
     return basis[:, -1, ::group].round().long()
 
 
@@ -102,7 +128,7 @@ def encode(x: Tensor, basis: Tensor, group: int, positions: Tensor | None = None
 
 def encode_heads(x: Tensor, basis: Tensor, group: int, layer: Tensor, head: Tensor,
                  positions: Tensor) -> list[Tensor]:
-    """``encode`` of rows x [n, D] of many heads, each in its own basis (``basis`` [L, Hkv, D + 2, D]; ``layer``,
+    """``encode`` of rows x [n, D] of many heads, each in its own basis (``basis`` [L, Hkv, 2D + 3, D]; ``layer``,
     ``head``, ``positions`` [n]: each row's), one head at a time: codes [n, W] and meta [n, 2 n_groups]."""
     Hkv, D = basis.shape[1], basis.shape[-1]
     codes = torch.zeros(x.shape[0], int(basis[0, 0, -1].sum()) // 8, dtype=torch.uint8, device=x.device)
@@ -116,8 +142,8 @@ def encode_heads(x: Tensor, basis: Tensor, group: int, layer: Tensor, head: Tens
 
 def to_latent(x: Tensor, basis: Tensor, positions: Tensor | None = None) -> Tensor:
     """[..., H, S, D] the latent coordinates of vectors x (keys taken back to before RoPE first): what codes store."""
-    down = torch.linalg.inv(basis[:, : x.shape[-1]].double()).float()  # up = Σ^½ Vᵀ, so this is V Σ^-½
-    return _rotated(x.float(), basis, positions, -1) @ down
+    D = x.shape[-1]
+    return (_rotated(x.float(), basis, positions, -1) - basis[:, 2 * D, None]) @ basis[:, D : 2 * D]
 
 
 def latent_rows(codes: Tensor, meta: Tensor, basis: Tensor) -> Tensor:
@@ -131,7 +157,7 @@ def latent_rows(codes: Tensor, meta: Tensor, basis: Tensor) -> Tensor:
 def decode(codes: Tensor, meta: Tensor, basis: Tensor, positions: Tensor | None = None) -> Tensor:
     """``encode``'s inverse up to its rounding: vectors [..., H, S, D] float32, keys rotated to ``positions``."""
     D = basis.shape[-1]
-    return _rotated(latent_rows(codes, meta, basis) @ basis[:, :D], basis, positions, 1)
+    return _rotated(latent_rows(codes, meta, basis) @ basis[:, :D] + basis[:, 2 * D, None], basis, positions, 1)
 
 
 def error_bound(x: Tensor, basis: Tensor, group: int, positions: Tensor | None = None) -> Tensor:
@@ -151,7 +177,7 @@ def error_bound(x: Tensor, basis: Tensor, group: int, positions: Tensor | None =
 def _rotated(x: Tensor, basis: Tensor, positions: Tensor | None, sign: int) -> Tensor:
     """x rotated by ``sign`` x ``positions`` with the basis's frequencies (as is without any)."""
     D = basis.shape[-1]
-    freq = basis[0, D, : D // 2]
+    freq = basis[0, 2 * D + 1, : D // 2]
     rotated = int((freq != 0).sum())  # the model's rotary frequencies (fewer than D / 2 under partial RoPE)
     if positions is None or not rotated:
         return x

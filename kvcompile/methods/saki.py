@@ -74,6 +74,14 @@ def saki(sigma_q: Tensor, sigma_k: Tensor, mean: Tensor, rank: int) -> tuple[Low
     return maps, (s[rank:] ** 2).sum()
 
 
+def score_energies(sigma_q: Tensor, sigma_k: Tensor) -> Tensor:
+    """[D] the singular values λ of ``C = Σq^½ Σk^½``, descending: SAKI's code channel i has second moment λ_i, and
+    an error δ in it moves a score by a mean square of λ_i δ² (what a bit spent on it is worth)."""
+    root_q, _ = _sqrt_and_inverse(sigma_q)
+    root_k, _ = _sqrt_and_inverse(sigma_k)
+    return torch.linalg.svdvals(root_q @ root_k)
+
+
 def key_pca(sigma_k: Tensor, mean: Tensor, rank: int) -> LowRankKeys:
     """The baseline at the same rank: the top-``rank`` principal directions of the centered keys."""
     _, vectors = torch.linalg.eigh(sigma_k)

@@ -25,12 +25,24 @@ math, per head: ``calibration.spectra`` measures a model's moments, ``kernels.la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 MAX_BITS = 8
 FLOOR = 1e-8  # eigenvalues below FLOOR x the largest are raised to it before Σ^-½ (a latent channel of no energy)
+
+
+class Moments(NamedTuple):
+    """One layer's calibration, per KV head: uncentered second moments [Hkv, D, D] of its keys (before RoPE), values
+    and queries (before RoPE, its GQA group's pooled), and the keys' mean [Hkv, D]. SPECTRA reads the first two,
+    SAKI (``methods.saki``) the keys, queries and mean."""
+
+    keys: Tensor
+    values: Tensor
+    queries: Tensor
+    key_mean: Tensor
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ class TaskPress(KVzip):
     probe with the meta-query in place of the context's copy) times the token's value quantization scale
     (``value_scale``: int4, groups of 32, as ``int4`` pages store it); the first ``n_sink`` tokens are always kept.
     ``instruction_ids`` are the meta-query's token ids (``kvcompile.recipes.anchors.resolve`` fills them from
-    ``meta_query`` for a tokenizer); with ``meta_query=""`` the scale alone ranks (no extra pass).
+    ``meta_query`` for a tokenizer); with ``meta_query=""`` the scale alone ranks (no extra pass), and with
+    ``scaled=False`` the meta-query's attention alone (the two ablations of the product).
 
     Inferred (all of it): the product of the two signals (METHODS §19 suggests ``attn_meta * s_V``); the value scale
     rather than the key's (the key scale tracks the key norm, which KNorm reads the other way round); the default
@@ -44,11 +45,14 @@ class TaskPress(KVzip):
     meta_query: str = "Answer the question about the text above."  # its ids: ``instruction_ids`` (``resolve``)
     bits: int = 4
     group: int = 32
+    scaled: bool = True  # False: the meta-query's attention alone (the ablation of the scale)
 
     def __post_init__(self):
         super().__post_init__()
         if self.bits not in (2, 3, 4, 8) or self.group < 1:
             raise ValueError(f"taskpress: bits must be 2, 3, 4 or 8 and group >= 1, got {self.bits}, {self.group}")
+        if not (self.scaled or self.meta_query):
+            raise ValueError("taskpress: with scaled=False and meta_query='' nothing scores the tokens")
         if bool(self.meta_query) != bool(self.instruction_ids):
             raise ValueError(UNRESOLVED if self.meta_query else "taskpress: instruction_ids are the meta-query's "
                              "token ids; with meta_query='' there are none")
@@ -66,6 +70,8 @@ class TaskPress(KVzip):
         return meta, torch.ones(meta.shape, dtype=torch.bool, device=real.device)
 
     def key_weights(self, obs: Observation):
+        if not self.scaled:
+            return None
         G = obs.queries.shape[1] // obs.keys.shape[1]
         return value_scale(obs.values, self.bits, self.group).repeat_interleave(G, 1)
 

@@ -1,5 +1,5 @@
 """Built-in recipes that are page formats of their own (``kernels.formats``): ThinK's pruned keys, Minima-KV's
-TQ3 pages beside anchor pages, SPECTRA's rows in a calibrated basis; and TaskPress, which ranks by what a quantized page stores. Listed after the other
+TQ3 pages beside anchor pages, SPECTRA's and SAKI's rows in a calibrated basis; and TaskPress, which ranks by what a quantized page stores. Listed after the other
 built-ins (``builtin``)."""
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ FORMAT_RECIPES = [
                     "groups of 32 latent channels share a width (the integer optimum of the water-filling objective, "
                     "mean 4 bits: int4's bytes); a 0-bit group keeps the token's mean; keys stored before RoPE and "
                     "rotated when read; no eviction ('snapkv+spectra4' evicts too)"),
+    Recipe("saki", None, format="saki4",
+           source="https://arxiv.org/abs/2608.03228 (SAKI v1; METHODS.md section 20)", provenance="abstract",
+           inferred="from a detailed reading of v1, no code: SAKI's score-preserving factorisation used as a key "
+                    "format at full rank, codes c = B_k^T (k - mu) stored at a mean of 4 bits per channel (groups of "
+                    "32 share a width, given by the score error lambda^2 4^-b) and read back as mu + B_q c before "
+                    "RoPE; values as int4 (the paper is keys only); moments as 'spectra' calibrates them; v2's "
+                    "noise correction not implemented; no eviction"),
     Recipe("taskpress", "taskpress", scorer_args={"window": 8192, "n_sink": 4, "bits": 4, "group": 32},
            source="METHODS.md section 19 (TaskPress; no paper, code or summary found)", provenance="description",
            inferred="all of it: the meta-query 'Answer the question about the text above.' read once after the "
