@@ -54,11 +54,14 @@ BUDGETS = (0.5, 0.25, 0.125, 0.1, 0.0625)
 
 
 def family(recipe: str) -> str:
+    """reference, quantize (every token stored in a format), evict, or both; a variant run as an object
+    (``--recent``, ``--ablate-taskpress``) is read from its name."""
     if recipe == "full":
         return "reference"
-    if recipe in ("think", "minima-kv") or recipe.startswith("full+"):
-        return "quantize"
-    return "evict" if kvcompile.get_recipe(recipe).format is None else "both"
+    known = kvcompile.recipes().get(recipe)
+    fmt = known.format if known else recipe.rsplit("+", 1)[-1] if "+" in recipe else None
+    keeps_all = known.scorer is None if known else recipe.startswith("full+")
+    return "evict" if fmt is None else "quantize" if keeps_all else "both"
 
 
 def cells(head_dim: int) -> list[tuple[str, float]]:
