@@ -1,7 +1,8 @@
-"""SPECTRA's rows (``methods.spectra``; METHODS.md §12): a vector stored as codes of its coordinates in a per-head
-latent basis, each group of ``group`` latent channels at the width the basis allotted it, with an fp16 scale and
-minimum per group and token (a group at 0 bits keeps the token's mean over it there). Row-local, so rows move
-between a head's pages as bytes; but the codes mean nothing without their head's basis, which the cache holds.
+"""Latent rows (SPECTRA's, METHODS.md §12, ``methods.spectra``; SAKI's keys, §20, ``methods.saki``): a vector stored
+as codes of its coordinates in a per-head basis, each group of ``group`` latent channels at the width the basis
+allotted it, with an fp16 scale and minimum per group and token (a group at 0 bits keeps the token's mean over it
+there). Row-local, so rows move between a head's pages as bytes; but the codes mean nothing without their head's
+basis, which the cache holds.
 
 A layer's basis, as the cache holds it and attention reads it (``FormatPages.basis``): [2, Hkv, 2D + 3, D], keys
 then values. Rows 0..D-1 map a latent row to the vector (``up``), rows D..2D-1 a vector to its latent (``down``),
