@@ -21,10 +21,10 @@ KIVI2_W8 = dataclasses.replace(kvcompile.recipes()["kivi2"], name="kivi2-r8", pr
 # every other page format, and the weighted-entry recipes beyond CertKV (one artifact each, about a minute on 2
 # cores; the suite's time limit keeps them out of the default run): KVCOMPILE_LONG=1
 LONG = ["gracekv", "core", "snapkv+int4", "snapkv+fp16", "snapkv+bf16", "snapkv+fp8", "snapkv+int8", "snapkv+int3", "snapkv+int2",
-        "snapkv+k8v4", "snapkv+kivi4", KIVI2_W8, "snapkv+spectra4"]
+        "snapkv+k8v4", "snapkv+kivi4", KIVI2_W8, "snapkv+spectra4", "snapkv+think"]
 
 
-@pytest.mark.parametrize("recipe, budget", [(r, 0.5) for r in ("certkv", "snapkv+think")] + [
+@pytest.mark.parametrize("recipe, budget", [("certkv", 0.5)] + [
     (MINIMA_W8, 0.8)] + [
     pytest.param(r, 0.5, marks=[pytest.mark.slow, pytest.mark.skipif("KVCOMPILE_LONG" not in os.environ,
                                                                       reason="KVCOMPILE_LONG=1")]) for r in LONG],
@@ -33,9 +33,9 @@ def test_export_load_in_fresh_process_generates_same_tokens(llama_cm, tmp_path, 
     """Over model-dtype pages holding weighted entries (CertKV's summaries; with ``KVCOMPILE_LONG=1`` GraceKV's
     prototypes and CORE's memory too: the log-weight channel is an input of every program, its pages a dimension of
     their own), and over page formats
-    (the format pool is an input too): ThinK's pruned key channels (a per-head channel list), Minima-KV's TQ3
-    (packed page-local codes, precise anchors, demotion while decoding), and with ``KVCOMPILE_LONG=1`` every other
-    format, the row-local integer codes and KIVI's demoting window included."""
+    (the format pool is an input too): Minima-KV's TQ3 (packed page-local codes, precise anchors, demotion while
+    decoding), and with ``KVCOMPILE_LONG=1`` every other format: ThinK's pruned key channels (a per-head channel
+    list), SPECTRA's rows (the basis an input of its own), the row-local integer codes and KIVI's demoting window."""
     cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)  # Minima's anchors: 0.5 is too little
     ids, mask = left_padded_batch([40, 25], total=40)
     expected = cm.generate(ids, mask, max_new_tokens=12, eos_token_id=[])
