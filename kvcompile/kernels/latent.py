@@ -117,10 +117,7 @@ def encode(x: Tensor, basis: Tensor, group: int, positions: Tensor | None = None
     """Vectors x [..., H, S, D] (keys post-RoPE at ``positions`` [..., H, S] when the basis has frequencies) ->
     codes uint8 [..., H, S, W] and meta fp16 [..., H, S, 2 n] (scale and minimum of each of n groups)."""
     widths = widths_of(basis, group)
-    latent = to_latent(x, basis, positions).unflatten(-1, (-1, group))  # [..., H, S, n, g]
-    w = widths[:, None, :, None]
-    low, high, mean = latent.amin(-1, keepdim=True), latent.amax(-1, keepdim=True), latent.mean(-1, keepdim=True)
-    levels = (2.0**w - 1).float()
+    latent, w, low, high, mean, levels = _groups(x, basis, group, positions)
     scale = torch.where(w > 0, (high - low) / levels.clamp_min(1), 0.0).half()
     low = torch.where(w > 0, low, mean).half()
     q = ((latent - low.float()) / scale.float().clamp_min(2.0**-24)).round_().clamp_(min=0).minimum(levels)
@@ -164,15 +161,22 @@ def decode(codes: Tensor, meta: Tensor, basis: Tensor, positions: Tensor | None 
 def error_bound(x: Tensor, basis: Tensor, group: int, positions: Tensor | None = None) -> Tensor:
     """[..., H, S, D] the largest error ``decode(encode(x))`` may have in each *latent* channel: half a step (of
     the rounded scale) plus the fp16 rounding of the grid; in a 0-bit group, the distance to the mean (rounded)."""
-    latent = to_latent(x, basis, positions).unflatten(-1, (-1, group))
-    w = widths_of(basis, group)[:, None, :, None]
-    low, high, mean = latent.amin(-1, keepdim=True), latent.amax(-1, keepdim=True), latent.mean(-1, keepdim=True)
-    levels = (2.0**w - 1).float().clamp_min(1)
+    latent, w, low, high, mean, levels = _groups(x, basis, group, positions)
+    levels = levels.clamp_min(1)
     scale = (high - low) / levels
     grid = (low - low.half().float()).abs() + levels * (scale - scale.half().float()).abs()
     dropped = (latent - mean).abs() + (mean - mean.half().float()).abs()
     slack = 2.0**-16 * latent.abs().amax(-1, keepdim=True)  # the rotation and the basis's fp32 products
     return (torch.where(w > 0, 0.5 * scale.half().float() + grid, dropped) + slack).flatten(-2)
+
+
+def _groups(x: Tensor, basis: Tensor, group: int, positions: Tensor | None):
+    """What ``encode`` grids and ``error_bound`` bounds: the latent rows in groups [..., H, S, n, g], each group's
+    width [H, 1, n, 1], its minimum, maximum and mean per token, and its top level 2^w - 1."""
+    latent = to_latent(x, basis, positions).unflatten(-1, (-1, group))
+    w = widths_of(basis, group)[:, None, :, None]
+    low, high, mean = latent.amin(-1, keepdim=True), latent.amax(-1, keepdim=True), latent.mean(-1, keepdim=True)
+    return latent, w, low, high, mean, (2.0**w - 1).float()
 
 
 def _rotated(x: Tensor, basis: Tensor, positions: Tensor | None, sign: int) -> Tensor:
