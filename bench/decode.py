@@ -146,6 +146,7 @@ def run(args):
             full = base.fork()
             steps_of["kv_1.0"], reserve["kv_1.0"] = kv_steps(full, token, room)
             row["kv_1.0_bytes_held"] = full.cache_stats()["bytes_held"]
+            plain.reset()
             plain.prefill(ids, logits="last")  # its own prefill: other programs than the base's (not timed)
             steps_of["kv_1.0_plain_linear"], reserve["kv_1.0_plain_linear"] = kv_steps(plain, token, room)
             for recipe, budget in ((r, b) for r in recipes for b in args.budgets):

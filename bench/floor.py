@@ -8,7 +8,8 @@ read + write bytes, for reference). KV bytes read: the bytes held (kvcompile) or
 
     python bench/floor.py --contexts 4096 --batches 1,4 --budgets 0.25 --compiled
 
-Writes ``bench/results/floor.{json,md}``.
+Writes ``bench/results/floor.{json,md,png}`` (``--out``): the run's ratios against transformers (``decode.table``)
+and every variant against its floor; ``--render`` writes them again from a run's JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import torch
-from decode import run
+from decode import plot, run, table
 
 import kvcompile
 
@@ -54,33 +55,47 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compiled", action="store_true")
+    p.add_argument("--flex", action="store_true", help="also eager programs over the flex_attention backend")
+    p.add_argument("--out", default=str(RESULTS / "floor"))
+    p.add_argument("--render", help="write the tables and plot again from this run's JSON, without running")
     args = p.parse_args()
-    bw = bandwidth()
-    print(f"bandwidth: read {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s", flush=True)
-    model, _ = kvcompile.load_model(args.model)
-    weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+    if args.render:
+        saved = json.loads(Path(args.render).read_text())
+        meta, rows = saved["meta"], saved["rows"]
+    else:
+        bw = bandwidth()
+        print(f"bandwidth: read {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s", flush=True)
+        rows = run(args)
+        meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "bandwidth_gbs": bw, "args": vars(args)}
+    model, _ = kvcompile.load_model(meta["args"]["model"])
+    meta["weight_bytes"] = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
     cfg = model.config
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    rows = run(args)
-    lines = [f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads; read bandwidth "
-             f"{bw['read']:.1f} GB/s (copy {bw['copy']:.1f} GB/s); weights {weights / 2**20:.0f} MiB; median of "
-             f"{args.rounds} rounds of {args.steps} steps", "",
+    text = report(rows, meta, token_bytes)
+    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    Path(args.out + ".md").write_text(text + "\n")
+    plot(rows, args.out + ".png")
+    print(text)
+
+
+def report(rows, meta, token_bytes) -> str:
+    """The run's header (model, torch, threads, bandwidth), ``decode.table``'s ratios against transformers, and
+    every variant against its floor (adds ``<variant>_floor_ms`` to the rows)."""
+    bw, weights, a = meta["bandwidth_gbs"], meta["weight_bytes"], meta["args"]
+    lines = [f"{a['model']}, torch {meta['torch']}, {meta['threads']} threads; read bandwidth {bw['read']:.1f} GB/s "
+             f"(copy {bw['copy']:.1f} GB/s); weights {weights / 2**20:.0f} MiB; median of {a['rounds']} rounds of "
+             f"{a['steps']} steps", "", table(rows), "",
              "| context | batch | variant | decode ms | KV MiB read | floor ms | x floor |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        variants = [k[: -len("_decode_ms")] for k in r if k.endswith("_decode_ms")]
-        for v in variants:
+        for v in [k[: -len("_decode_ms")] for k in r if k.endswith("_decode_ms")]:
             kv = r["context"] * r["batch"] * token_bytes if v.startswith("hf") else r.get(f"{v}_bytes_held",
                                                                                  r.get("kv_1.0_bytes_held"))
             floor = (weights + kv) / (bw["read"] * 1e9) * 1e3
             r[f"{v}_floor_ms"] = floor
             lines.append(f"| {r['context']} | {r['batch']} | {v} | {r[f'{v}_decode_ms']:.1f} | {kv / 2**20:.0f} | "
                          f"{floor:.1f} | {r[f'{v}_decode_ms'] / floor:.2f} |")
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "bandwidth_gbs": bw, "weight_bytes": weights, "args": vars(args)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "floor.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (RESULTS / "floor.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

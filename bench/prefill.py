@@ -8,14 +8,24 @@ operators by self time next to each other, so what kvcompile adds (page writes, 
 pages back) is a row of its own.
 
     python bench/prefill.py --contexts 1024,2048,4096,8192 --batches 1,4 --rounds 3 --profile
+
+``--memory`` measures instead each side's prefill peak memory: one fresh process per side and cell (the model
+loaded, kvcompile's programs applied, nothing run yet), whose resident high-water mark is reset right before the
+prefill and read right after it (Linux ``/proc/self/clear_refs``); the peak above the resident memory before is the
+prefill's (activations, the cache it fills, temporaries). Writes ``--out`` + ``_memory.{json,md}``.
+
+    python bench/prefill.py --memory --contexts 1024,4096 --batches 1,4
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -68,11 +78,51 @@ def profile(calls: dict, rows: int = 12) -> dict:
     return out
 
 
-def table(rows) -> str:
-    lines = ["| context | batch | HF prefill s | kv prefill s | HF / kv |", "|---|---|---|---|---|"]
+def _status_kib(field: str) -> int:
+    """A field of /proc/self/status, in KiB (VmRSS: resident now; VmHWM: resident high-water mark)."""
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1])
+
+
+def one_peak(model_name: str, side: str, ctx: int, batch: int) -> float:
+    """MiB resident at the peak of one ``side`` prefill above what this (fresh) process held before it."""
+    model, _ = kvcompile.load_model(model_name)
+    cm = kvcompile.apply(model, budget=1.0, recipe="full") if side == "kv" else None
+    ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
+    call = prefills(model, cm, ids)[side]
+    with torch.no_grad():  # fault the (memory-mapped) weights in first: they are not the prefill's memory
+        prefills(model, cm, ids[:1, :8])[side]()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap memory back to the system: resident = live now
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the resident size now
+    before = _status_kib("VmRSS")
+    with torch.no_grad():
+        call()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def peaks(args) -> list[dict]:
+    """Each side's prefill peak per cell, each in its own process (so no allocator cache carries over)."""
+    rows = []
+    for ctx in args.contexts:
+        for batch in args.batches:
+            row = {"context": ctx, "batch": batch}
+            for side in ("hf", "kv"):
+                cmd = [sys.executable, __file__, "--one-peak", side, "--model", args.model, "--contexts", str(ctx),
+                       "--batches", str(batch)]
+                row[f"{side}_peak_mib"] = float(subprocess.run(cmd, check=True, capture_output=True,
+                                                               text=True).stdout.split()[-1])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def table(rows, measure: str = "s", label: str = "prefill s") -> str:
+    """Each cell's ``hf_<measure>`` and ``kv_<measure>`` and their ratio HF / kv (above 1: kvcompile is faster, or
+    peaks lower)."""
+    lines = [f"| context | batch | HF {label} | kv {label} | HF / kv |", "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['context']} | {r['batch']} | {r['hf_s']:.2f} | {r['kv_s']:.2f} | "
-                     f"{r['hf_s'] / r['kv_s']:.2f} |")
+        hf, kv = r[f"hf_{measure}"], r[f"kv_{measure}"]
+        lines.append(f"| {r['context']} | {r['batch']} | {hf:.2f} | {kv:.2f} | {hf / kv:.2f} |")
     return "\n".join(lines)
 
 
@@ -92,8 +142,22 @@ def main():
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also profile one prefill of each at the first cell")
+    p.add_argument("--memory", action="store_true", help="measure each prefill's peak memory instead of its time")
+    p.add_argument("--one-peak", choices=["hf", "kv"], help=argparse.SUPPRESS)  # one measurement (``peaks``)
     p.add_argument("--out", default=str(RESULTS / "prefill"))
     args = p.parse_args()
+    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "args": vars(args)}
+    if args.one_peak:
+        print(one_peak(args.model, args.one_peak, args.contexts[0], args.batches[0]))
+        return
+    if args.memory:
+        rows = peaks(args)
+        Path(args.out + "_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        text = table(rows, "peak_mib", "prefill peak MiB")
+        Path(args.out + "_memory.md").write_text(f"torch threads: {meta['threads']}\n\n" + text + "\n")
+        print(text)
+        return
     model, _ = kvcompile.load_model(args.model)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     rows = []
@@ -110,8 +174,6 @@ def main():
         ops = profile(prefills(model, cm, ids))
         text += (f"\n\nOperators by self time, one prefill of {args.contexts[0]} tokens x batch {args.batches[0]}:\n\n"
                  + profile_table(ops))
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "args": vars(args)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "profile": ops}, indent=1))
     Path(args.out + ".md").write_text(f"torch threads: {meta['threads']}\n\n" + text + "\n")

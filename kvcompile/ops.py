@@ -32,6 +32,8 @@ from torch import Tensor
 from .kernels import reference
 
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
+EAGER_BODIES: dict = {}  # an attention op's overload -> the Python function it runs: what eager programs call
+# (``passes.CallBodiesDirectly``)
 DECODE_BACKENDS = ("auto", "reference", "flex")
 
 
@@ -178,8 +180,7 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     """
     register = torch.library.triton_op if decode else torch.library.custom_op
 
-    @register(f"kvcompile::{name}", mutates_args=_MUTATED)
-    def op(
+    def body(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, lengths: Tensor,
         obs_q: Tensor, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor,
@@ -191,6 +192,8 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
             layer, scale, window, packed, decode,
         )
 
+    op = register(f"kvcompile::{name}", mutates_args=_MUTATED)(body)
+    EAGER_BODIES[getattr(torch.ops.kvcompile, name).default] = body
     if not decode:  # a triton_op's own body is its fake kernel
 
         @op.register_fake

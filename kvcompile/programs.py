@@ -49,6 +49,7 @@ class Programs:
     store: bool | str = field(default=True, repr=False)
     from_store: bool = False
     _variants: dict = field(default_factory=dict, repr=False)
+    _eager_runs: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, model: nn.Module, spec: ModelSpec, store: bool | str = True) -> "Programs":
@@ -147,10 +148,18 @@ class Programs:
         args = (ids, step.position_ids, step.q_pos, step.slots, step.ring_slots, *cache.program_tensors())
         if self.compiled is None:
             with torch.no_grad():
-                return getattr(self, name)(*args)
+                return self._eager(name)(*args)
         _mark_dynamic(args, decode=name.startswith("decode"))
         with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):
             return getattr(self, name)(*args)
+
+
+    def _eager(self, name: str) -> Callable:
+        """Program ``name`` as an eager run calls it: a copy whose ops are plain calls (``passes.for_eager_run``),
+        made once; the program itself stays as it was, for compiling, saving and exporting."""
+        if name not in self._eager_runs:
+            self._eager_runs[name] = passes.for_eager_run(getattr(self, name))
+        return self._eager_runs[name]
 
 
 def _mark_dynamic(args, decode: bool) -> None:

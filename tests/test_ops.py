@@ -226,3 +226,29 @@ def test_flex_paged_decode_matches_the_reference(shuffle, window):
     args = (q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], cache.lengths[0], 0.3, window)
     torch.testing.assert_close(flex_paged_decode(*args), reference.paged_attention(*args), atol=1e-5, rtol=1e-5,
                                msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_eager_runs_call_the_op_bodies_and_the_programs_keep_the_ops(llama_cm):
+    """An eager decode step reaches no kvcompile op through the dispatcher (its bookkeeping cost 0.6 ms per call:
+    ``passes.for_eager_run``), while the programs that are compiled, saved and exported still call the ops."""
+    from conftest import left_padded_batch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Namespaces(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.namespace)
+            return func(*args, **(kwargs or {}))
+
+    cm = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4)
+    ids, mask = left_padded_batch([20, 14], total=20)
+    token = cm.generate(ids, mask, max_new_tokens=1)[:, -1:]
+    with Namespaces() as mode:
+        logits = cm.decode(token)
+    assert "aten" in mode.seen and "kvcompile" not in mode.seen, sorted(mode.seen)
+    assert torch.isfinite(logits).all()
+    targets = {n.target for p in (cm.programs.decode, cm.programs.prefill) for n in p.graph.nodes}
+    assert {torch.ops.kvcompile.decode_attention.default, torch.ops.kvcompile.prefill_attention.default} <= targets

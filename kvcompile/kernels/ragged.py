@@ -18,6 +18,12 @@ def concrete(t: Tensor) -> bool:
     return not torch.compiler.is_compiling() and not is_fake(t)
 
 
+def read_for_free(t: Tensor) -> bool:
+    """Whether reading ``t``'s values costs no device synchronisation: eager (``concrete``) and on the CPU. Only
+    then does a decode group heads by length (on an accelerator the Triton kernel reads ragged heads in place)."""
+    return t.device.type == "cpu" and concrete(t)
+
+
 def length_classes(lengths: Tensor, page_size: int) -> list[Tensor]:
     """Heads ([B, Hkv] ``lengths``, flattened) grouped by page count into classes that minimise the pages a decode
     step reads, each class padded to its longest head, plus ``CLASS_OVERHEAD`` per class: [indices of each class].
@@ -56,10 +62,7 @@ def decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale: floa
         table = tables[heads, :width][None]  # [1, m, width]
         keys = reference.gather_pages(k_pages, table)[0].to(q.dtype)
         values = reference.gather_pages(v_pages, table)[0].to(q.dtype)
-        scores = torch.matmul(qh[heads], keys.transpose(-1, -2)) * scale  # [m, G, S]
-        if weighted:
-            scores = scores.float() + reference.gather_pages(log_weights, table)[0][:, None]
+        weights = reference.gather_pages(log_weights, table)[0] if weighted else None
         visible = torch.arange(width * P, device=q.device) < n[heads, None]
-        probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1).nan_to_num(0.0)
-        out[heads] = torch.matmul(probs.to(values.dtype), values)
+        out[heads] = reference.decode_rows(qh[heads], keys, values, visible, scale, weights)
     return out.view(B, Hq, 1, D)

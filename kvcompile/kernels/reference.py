@@ -82,7 +82,7 @@ def paged_attention(
     B, Hq, T, D = q.shape
     weighted = log_weights is not None and log_weights.shape[0] > 0  # a shape, not values, picks the path
     weights = heads_view(log_weights, page_table, first_page) if weighted else None  # [B, Hkv, S]
-    if T == 1 and window == 0 and first_page is None and ragged.concrete(lengths):
+    if T == 1 and window == 0 and first_page is None and ragged.read_for_free(lengths):
         classes = ragged.length_classes(lengths, k_pages.shape[1])
         if len(classes) > 1:  # ragged heads: each class reads only up to its own longest head
             return ragged.decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale, classes, log_weights)
@@ -98,11 +98,7 @@ def paged_attention(
         if window > 0:
             dq = q_pos.long()[:, None, :]
             visible = valid & (k_pos <= dq) & (dq - k_pos < window)
-        scores = torch.matmul(q.view(B, Hkv, G, D), keys.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
-        if weighted:  # in fp32: a log-weight rounded to a 16-bit float would misstate the entry's mass
-            scores = scores.float() + weights[:, :, None]
-        probs = torch.softmax(scores.masked_fill(~visible[:, :, None], float("-inf")), -1).nan_to_num(0.0)
-        return torch.matmul(probs.to(values.dtype), values).view(B, Hq, 1, D)
+        return decode_rows(q.view(B, Hkv, G, D), keys, values, visible, scale, weights).view(B, Hq, 1, D)
     step = max(1, block_bytes // max(1, B * Hq * S))  # queries per block: bounds the [B, Hq, Tb, S] mask
     out = []
     for t0 in range(0, T, step):
@@ -122,6 +118,24 @@ def paged_attention(
         )
         out.append((o.nan_to_num(0.0) * visible.any(-1, keepdim=True)).to(q.dtype))
     return torch.cat(out, 2)
+
+
+def decode_rows(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float,
+                log_weights: Tensor | None = None) -> Tensor:
+    """Each head's G decode queries q [..., G, D] over its keys and values [..., S, D], where ``visible`` [..., S]
+    -> [..., G, D] (zeros where nothing is visible). ``log_weights`` [..., S]: added to the logits, in fp32 (a
+    log-weight rounded to a 16-bit float would misstate the entry's mass). Eager and unweighted, one fused SDPA call
+    (CPU flash attention; measured ~25% faster than the three steps at SmolLM2's decode shapes); traced or weighted,
+    scores, softmax and values, which Inductor fuses."""
+    if log_weights is None and ragged.concrete(q):
+        out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible[..., None, :],
+                                                               scale=scale)
+        return out.nan_to_num(0.0)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [..., G, S]
+    if log_weights is not None:
+        scores = scores.float() + log_weights[..., None, :]
+    probs = torch.softmax(scores.masked_fill(~visible[..., None, :], float("-inf")), -1).nan_to_num(0.0)
+    return torch.matmul(probs.to(values.dtype), values)
 
 
 def merged_attention(q, q_pos, dense, stored: FormatPages, scale: float, window: int, block_bytes: int,
@@ -205,13 +219,18 @@ def write_tokens(
     ``padded`` False: the caller knows no position is -1, so nothing is zeroed (a prefill without padding)."""
     D, P = k_pages.shape[-1], k_pages.shape[1]
     rows = slots.reshape(-1)
-    at = (rows // P, rows % P)  # (page, row) indices into the pools themselves, not a view of them
     if padded:
         pad = (pos < 0)[:, None, :, None]
         k, v = k.masked_fill(pad, 0), v.masked_fill(pad, 0)
-    k_pages.index_put_(at, k.reshape(-1, D).to(k_pages.dtype))
-    v_pages.index_put_(at, v.reshape(-1, D).to(v_pages.dtype))
-    page_pos.index_put_(at, pos[:, None, :].expand(slots.shape).reshape(-1).to(page_pos.dtype))
+    new = (k.reshape(-1, D), v.reshape(-1, D), pos[:, None, :].expand(slots.shape).reshape(-1))
+    if ragged.concrete(rows):  # eager: one flat row index per token, half the indexing work of (page, row) pairs
+        for pool, x in zip((k_pages, v_pages, page_pos), new):
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, rows, x.to(pool.dtype))
+        return
+    at = (rows // P, rows % P)  # traced: (page, row) indices into the pools themselves, not a view of them (a
+    # write through a view makes Inductor clone the whole pool every step)
+    for pool, x in zip((k_pages, v_pages, page_pos), new):
+        pool.index_put_(at, x.to(pool.dtype))
 
 
 def compact(
