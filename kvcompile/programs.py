@@ -157,8 +157,11 @@ class Programs:
     def _eager(self, name: str) -> Callable:
         """Program ``name`` as an eager run calls it: a copy whose ops are plain calls (``passes.for_eager_run``),
         made once; the program itself stays as it was, for compiling, saving and exporting."""
+        program = getattr(self, name)
+        if not isinstance(program, fx.GraphModule):  # a loaded artifact's compiled package: called as it is
+            return program
         if name not in self._eager_runs:
-            self._eager_runs[name] = passes.for_eager_run(getattr(self, name))
+            self._eager_runs[name] = passes.for_eager_run(program)
         return self._eager_runs[name]
 
 
