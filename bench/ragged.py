@@ -1,7 +1,7 @@
 """Ragged decode at equal bytes: a per-head allocator (Ada-KV) against the uniform recipe with the same scorer.
 
 A per-head allocator leaves heads of different lengths. The eager CPU decode reads them class by class
-(``kernels.ragged.length_classes``: heads grouped by page count, each class gathered only up to its longest
+(``kernels.ragged.page_classes``: heads grouped by pages owned, each class gathered only up to its longest
 head); before, every head was gathered up to the longest head of the layer. This script times, in one run and
 taking turns: ``snapkv`` (uniform, its pages read in place), ``adakv-snapkv`` by length class, and
 ``adakv-snapkv`` with one gather per layer (the old path: ``CLASS_OVERHEAD`` set so high that one class always
@@ -34,11 +34,11 @@ def pages_read(cm) -> dict:
     """Head-pages a decode step reads, summed over layers: held, by length class, with one gather per layer."""
     P = cm.cache.page_size
     out = {"held": 0, "classes": 0, "one_gather": 0}
-    for lengths in cm.cache.held():  # [B, Hkv] per layer
+    for lengths, table in zip(cm.cache.held(), cm.cache.page_table):  # [B, Hkv] and [B, Hkv, W] per layer
         pages = (lengths.reshape(-1).long() + P - 1) // P
         out["held"] += int(pages.sum())
         out["one_gather"] += int(pages.max()) * pages.numel()
-        out["classes"] += sum(int(pages[c].max()) * len(c) for c in ragged.length_classes(lengths, P))
+        out["classes"] += sum(width * len(heads) for heads, width in ragged.page_classes(table))
     return out
 
 

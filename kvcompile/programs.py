@@ -153,7 +153,6 @@ class Programs:
         with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):
             return getattr(self, name)(*args)
 
-
     def _eager(self, name: str) -> Callable:
         """Program ``name`` as an eager run calls it: a copy whose ops are plain calls (``passes.for_eager_run``),
         made once; the program itself stays as it was, for compiling, saving and exporting."""

@@ -3,9 +3,6 @@ a generation loop that does not wait for the device at every step."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 from conftest import left_padded_batch, tiny_model
@@ -17,25 +14,15 @@ READS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "cpu
 
 
 class DeviceReads(TorchFunctionMode):
-    """Counts the calls that copy a tensor's value to the host (each one a synchronisation on an accelerator),
-    except the CPU decode's length classes (``kernels.ragged``), which read lengths only where that is free
-    (``ragged.read_for_free``: on the CPU; see the test below)."""
+    """Counts the calls that copy a tensor's value to the host (each one a synchronisation on an accelerator)."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        cpu_only = sys._getframe(1).f_code.co_filename.endswith(os.path.join("kernels", "ragged.py"))
-        self.count += getattr(func, "__name__", "") in READS and not cpu_only
+        self.count += getattr(func, "__name__", "") in READS
         return func(*args, **(kwargs or {}))
-
-
-def test_length_classes_read_lengths_only_where_that_is_free():
-    from kvcompile.kernels import ragged
-
-    assert ragged.read_for_free(torch.zeros(2, 3, dtype=torch.int32))
-    assert not ragged.read_for_free(torch.zeros(2, 3, dtype=torch.int32, device="meta")), "an accelerator's"
 
 
 def test_query_aware_records_how_the_call_compressed(llama_cm):

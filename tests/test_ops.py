@@ -42,9 +42,10 @@ class Pages:
                                       self.lengths[layer])
 
 
-def filled_cache(lengths, P=4, D=8, Hq=4, seed=None, shuffle=True):
+def filled_cache(lengths, P=4, D=8, Hq=4, seed=None, shuffle=True, own_held=False):
     """Kernel inputs for one layer whose heads (1 row) hold ``lengths`` random tokens, each head owning the pages
-    of the longest: on shuffled pages, or packed ones (consecutive, heads in order). Returns (pages, k, v)."""
+    of the longest (``own_held``: only the pages it fills, as the cache lays out ragged heads; the rest of its table
+    row names page 0): on shuffled pages, or packed ones (consecutive, heads in order). Returns (pages, k, v)."""
     g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
     Hkv, n = len(lengths), max(lengths)
     width = -(-n // P)
@@ -59,6 +60,9 @@ def filled_cache(lengths, P=4, D=8, Hq=4, seed=None, shuffle=True):
     k, v = torch.randn(1, Hkv, n, D, generator=g), torch.randn(1, Hkv, n, D, generator=g)
     slots = reference.rows_of(pages.page_table[0], torch.arange(n).expand(1, Hkv, n), P)
     reference.write_tokens(pages.k_pages, pages.v_pages, pages.page_pos, k, v, torch.arange(n)[None], slots)
+    if own_held:
+        held = -(-torch.tensor(lengths) // P)
+        pages.page_table.masked_fill_(torch.arange(width) >= held[:, None], 0)
     return pages, k, v
 
 
@@ -83,13 +87,13 @@ def test_paged_attention_matches_dense_masked_sdpa(lengths, shuffle):
 
 @pytest.mark.parametrize("lengths, overhead", [([1, 600, 5, 900], None), ([5, 1, 9, 0, 13, 2], 0)])
 def test_ragged_decode_by_length_class_matches_dense_attention(lengths, overhead, monkeypatch):
-    """Decode over heads of very different lengths goes class by class (``length_classes``; overhead 0 forces
+    """Decode over heads of very different lengths goes class by class (``page_classes``; overhead 0 forces
     classes on small heads); every head's output is its own dense softmax attention."""
     if overhead is not None:
         monkeypatch.setattr(ragged, "CLASS_OVERHEAD", overhead)
     seed = torch.seed() % 2**31
-    cache, k, v = filled_cache(lengths, Hq=2 * len(lengths), seed=seed)
-    assert len(ragged.length_classes(cache.lengths[0], 4)) > 1, "the case must take the class path"
+    cache, k, v = filled_cache(lengths, Hq=2 * len(lengths), seed=seed, own_held=True)
+    assert len(ragged.page_classes(cache.page_table[0])) > 1, "the case must take the class path"
     q = torch.randn(1, 2 * len(lengths), 1, 8, generator=torch.Generator().manual_seed(seed))
     out = reference.paged_attention(q, torch.full((1, 1), 5000), cache.k_pages, cache.v_pages, cache.page_pos,
                                     cache.page_table[0], cache.lengths[0], 0.3)
@@ -100,11 +104,19 @@ def test_ragged_decode_by_length_class_matches_dense_attention(lengths, overhead
                                        msg=lambda m: f"seed {seed}: {m}")
 
 
+def owning(pages) -> torch.Tensor:
+    """A page table [B, Hkv, W] whose heads own ``pages`` [B][Hkv] pages each (distinct ids; 0 past them)."""
+    pages = torch.tensor(pages)
+    W = int(pages.max())
+    ids = torch.arange(1, pages.numel() * W + 1).reshape(*pages.shape, W)
+    return ids.masked_fill(torch.arange(W) >= pages[..., None], 0).int()
+
+
 def test_length_classes_minimise_pages_read():
-    lengths = torch.tensor([[16, 16 * 200, 32, 16 * 190]])
-    classes = ragged.length_classes(lengths, 16)
-    assert sorted(sorted(c.tolist()) for c in classes) == [[0, 2], [1, 3]]
-    assert len(ragged.length_classes(torch.full((2, 3), 700), 16)) == 1, "equal heads: the plain path"
+    classes = ragged.page_classes(owning([[1, 200, 2, 190]]))
+    assert sorted(sorted(c.tolist()) for c, _ in classes) == [[0, 2], [1, 3]]
+    assert sorted(width for _, width in classes) == [2, 200], "each class reads up to its longest head"
+    assert len(ragged.page_classes(owning([[44] * 3] * 2))) == 1, "equal heads: the plain path"
 
 
 def test_compact_moves_kept_rows_only():

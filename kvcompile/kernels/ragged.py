@@ -3,6 +3,8 @@ per layer would pad every head to the longest. Grouping heads by page count read
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
@@ -18,20 +20,35 @@ def concrete(t: Tensor) -> bool:
     return not torch.compiler.is_compiling() and not is_fake(t)
 
 
-def read_for_free(t: Tensor) -> bool:
-    """Whether reading ``t``'s values costs no device synchronisation: eager (``concrete``) and on the CPU. Only
-    then does a decode group heads by length (on an accelerator the Triton kernel reads ragged heads in place)."""
-    return t.device.type == "cpu" and concrete(t)
+def page_classes(page_table: Tensor) -> list[tuple[Tensor, int]]:
+    """One layer's heads ([B, Hkv, W] ``page_table``, flattened) grouped by the pages each owns (its non-zero
+    entries: a head may own a few pages ahead of its length) into classes that minimise the pages a decode step
+    reads, each class padded to its longest head, plus ``CLASS_OVERHEAD`` per class: [(indices, width in pages)].
+    One class (equal heads, or too few to gain) means the plain path. Read on the host once per page-table change
+    (a reservation, a release, a renumbering), as ``PagedKVCache.packed`` is, not at every decode step."""
+    base = page_table if page_table._base is None else page_table._base
+    key = id(base)
+    ref, version, overhead, layers = _classes_for.get(key, (None, None, None, None))
+    if ref is None or ref() is not base or version != base._version or overhead != CLASS_OVERHEAD:
+        layers = {}
+        _classes_for[key] = (weakref.ref(base, lambda _: _classes_for.pop(key, None)), base._version,
+                             CLASS_OVERHEAD, layers)
+    layer = (page_table.storage_offset(), tuple(page_table.shape))
+    if layer not in layers:
+        owned = (page_table != 0).sum(-1).reshape(-1).tolist()
+        layers[layer] = [(torch.tensor(run, device=page_table.device), max(owned[i] for i in run))
+                         for run in _page_runs(owned)]
+    return layers[layer]
 
 
-def length_classes(lengths: Tensor, page_size: int) -> list[Tensor]:
-    """Heads ([B, Hkv] ``lengths``, flattened) grouped by page count into classes that minimise the pages a decode
-    step reads, each class padded to its longest head, plus ``CLASS_OVERHEAD`` per class: [indices of each class].
-    One class (equal heads, or too few to gain) means the plain path. Exact: a dynamic programme over the heads
-    sorted by pages, where every optimal class is a contiguous run (host-side; eager decode only)."""
-    pages = ((lengths.reshape(-1) + page_size - 1) // page_size).tolist()
+_classes_for: dict = {}  # id of a page table -> (a weak reference to it, its version, CLASS_OVERHEAD, classes per layer)
+
+
+def _page_runs(pages: list[int]) -> list[list[int]]:
+    """The optimal classes of heads with ``pages`` pages each, as index lists. Exact: a dynamic programme over the
+    heads sorted by pages, where every optimal class is a contiguous run (host-side; eager decode only)."""
     if min(pages) == max(pages):  # equal heads (a uniform recipe): nothing to gain, no programme to run
-        return [torch.arange(len(pages), device=lengths.device)]
+        return [list(range(len(pages)))]
     order = sorted(range(len(pages)), key=pages.__getitem__)
     p = [pages[i] for i in order]
     best, cut = [0] + [None] * len(p), [0] * (len(p) + 1)  # best[j]: cost of the first j heads
@@ -41,22 +58,21 @@ def length_classes(lengths: Tensor, page_size: int) -> list[Tensor]:
     while j > 0:
         runs.append(order[cut[j] : j])
         j = cut[j]
-    return [torch.tensor(r, device=lengths.device) for r in reversed(runs)]
+    return runs[::-1]
 
 
-def decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale: float, classes: list[Tensor],
-                           log_weights: Tensor | None = None) -> Tensor:
-    """One decode query per row [B, Hq, 1, D] over ragged heads, class by class (``length_classes``): each class
-    gathers its heads' pages only up to its longest head, so a step reads about the pages held, not heads x the
-    longest. The same attention as the single-gather path (the ops and their order per head are the same)."""
+def decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale: float,
+                           classes: list[tuple[Tensor, int]], log_weights: Tensor | None = None) -> Tensor:
+    """One decode query per row [B, Hq, 1, D] over ragged heads, class by class (``page_classes``: heads and the
+    pages to read): each class gathers its heads' pages only up to its longest head, so a step reads about the
+    pages held, not heads x the longest. The same attention as the single-gather path."""
     B, Hq, _, D = q.shape
     Hkv, P = page_table.shape[1], k_pages.shape[1]
     G = Hq // Hkv
     tables, n = page_table.reshape(B * Hkv, -1), lengths.reshape(-1).long()
     qh, out = q.reshape(B * Hkv, G, D), q.new_zeros(B * Hkv, G, D)
     weighted = log_weights is not None and log_weights.shape[0] > 0
-    for heads in classes:
-        width = int(-(-int(n[heads].max()) // P))
+    for heads, width in classes:
         if width == 0:
             continue
         table = tables[heads, :width][None]  # [1, m, width]

@@ -82,8 +82,8 @@ def paged_attention(
     B, Hq, T, D = q.shape
     weighted = log_weights is not None and log_weights.shape[0] > 0  # a shape, not values, picks the path
     weights = heads_view(log_weights, page_table, first_page) if weighted else None  # [B, Hkv, S]
-    if T == 1 and window == 0 and first_page is None and ragged.read_for_free(lengths):
-        classes = ragged.length_classes(lengths, k_pages.shape[1])
+    if T == 1 and window == 0 and first_page is None and ragged.concrete(lengths):
+        classes = ragged.page_classes(page_table)
         if len(classes) > 1:  # ragged heads: each class reads only up to its own longest head
             return ragged.decode_by_length_class(q, k_pages, v_pages, page_table, lengths, scale, classes, log_weights)
     if T == 1 and window == 0:  # decode of the newest token: every held key is at or before it
