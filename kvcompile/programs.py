@@ -109,7 +109,7 @@ class Programs:
         page format (``for_format``).
 
         Prefill: dynamic shapes. Decode: static shapes except what ``_mark_dynamic`` marks at each call; in a CUDA
-        graph on CUDA (mode="reduce-overhead", not yet run on a GPU)."""
+        graph on CUDA (mode="reduce-overhead", not yet measured on a GPU: docs/results.md)."""
         if not backend:
             return self._variants.get(None, self)
         if self.captured is None:

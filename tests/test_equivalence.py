@@ -67,3 +67,22 @@ def test_model_object_left_unchanged(llama):
     kvcompile.apply(llama, budget=0.5, recipe="snapkv")
     assert llama.forward == forward and not llama.training
     assert all(torch.equal(before[k], v) for k, v in llama.state_dict().items())
+
+
+def test_capture_when_export_cannot_prove_a_shape_guard(monkeypatch):
+    """torch 2.11 cannot prove some guards of transformers' Llama over the named length range and export refuses
+    (seen on a GPU machine); capture then exports again keeping guards as runtime assertions. The result must still
+    be exact at every length, one-token decode included."""
+    model = tiny_model("llama")
+    export = torch.export.export
+
+    def refuse_unproven_guards(*args, **kwargs):
+        if not kwargs.get("prefer_deferred_runtime_asserts_over_guards"):
+            raise torch._dynamo.exc.UserError(torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION,
+                                              "Constraints violated (tokens)!")
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", refuse_unproven_guards)
+    cm = kvcompile.apply(model, budget=1.0, recipe="full", page_size=4, capture_cache=False)
+    ids, mask = left_padded_batch([11, 7, 4], total=11, seed=5)
+    check_greedy_equivalence(model, cm, ids, mask)

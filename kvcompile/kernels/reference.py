@@ -98,7 +98,8 @@ def paged_attention(
         if window > 0:
             dq = q_pos.long()[:, None, :]
             visible = valid & (k_pos <= dq) & (dq - k_pos < window)
-        return decode_rows(q.view(B, Hkv, G, D), keys, values, visible, scale, weights).view(B, Hq, 1, D)
+        out = decode_rows(q.view(B, Hkv, G, D), keys, values, visible, scale, weights)
+        return out.reshape(B, Hq, 1, D)  # reshape: CUDA's SDPA may return it strided
     step = max(1, block_bytes // max(1, B * Hq * S))  # queries per block: bounds the [B, Hq, Tb, S] mask
     out = []
     for t0 in range(0, T, step):
@@ -130,7 +131,8 @@ def decode_rows(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale:
     if log_weights is None and ragged.concrete(q):
         out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible[..., None, :],
                                                                scale=scale)
-        return out.nan_to_num(0.0)
+        # a head that sees nothing: NaN on CPU, but CUDA's kernels return finite garbage (seen on an H200)
+        return out.masked_fill(~visible.any(-1)[..., None, None], 0.0)
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [..., G, S]
     if log_weights is not None:
         scores = scores.float() + log_weights[..., None, :]

@@ -57,6 +57,16 @@ def _dot(a, b, F32: tl.constexpr):
 
 
 @triton.jit
+def _three_bits(base, d, mask, D: tl.constexpr):
+    """3-bit codes of channels d: a 2-bit plane (D / 4 bytes) then a 1-bit plane (D / 8 bytes)."""
+    W2: tl.constexpr = D // 4
+    W1: tl.constexpr = D // 8
+    lo = (tl.load(base + (d % W2)[None, :], mask=mask, other=0) >> ((d // W2) * 2)[None, :].to(tl.uint8)) & 3
+    hi = (tl.load(base + (W2 + d % W1)[None, :], mask=mask, other=0) >> (d // W1)[None, :].to(tl.uint8)) & 1
+    return lo | (hi << 2)
+
+
+@triton.jit
 def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn, stride_mp,
                D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
     """A [BLOCK_N, BLOCK_D] fp32 tile of stored rows, decoded in registers (``kernels.formats``): BITS 0 reads
@@ -72,40 +82,38 @@ def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn,
         meta = meta_ptr + page[:, None] * stride_mn  # one metadata row per page
     else:
         meta = meta_ptr + page[:, None] * stride_mn + row[:, None] * stride_mp
+    # one return at the end: Triton's compiler (unlike its interpreter) builds the statements after a return too
     if BITS == 0:
         x = tl.load(base + d[None, :], mask=mask, other=0.0).to(tl.float32)
         if GROUP == 1:  # fp8: one fp32 scale per row
             x = x * tl.load(meta + 0 * d[None, :], mask=mask, other=0.0)
-        return x
-    if BITS == -1:  # row [n, w] is channel list[n, w] of the row: a one-hot sum puts it there
+    elif BITS == -1:  # row [n, w] is channel list[n, w] of the row: a one-hot sum puts it there
         kept = mask & (d < GROUP)[None, :]
         x = tl.load(base + d[None, :], mask=kept, other=0.0).to(tl.float32)
         channel = tl.load(meta + d[None, :], mask=kept, other=-1).to(tl.int32)
-        return tl.sum(x[:, :, None] * (channel[:, :, None] == d[None, None, :]).to(tl.float32), 1)
-    if BITS == 3 or BITS < -1:
-        W2: tl.constexpr = D // 4
-        W1: tl.constexpr = D // 8
-        lo = (tl.load(base + (d % W2)[None, :], mask=mask, other=0) >> ((d // W2) * 2)[None, :].to(tl.uint8)) & 3
-        hi = (tl.load(base + (W2 + d % W1)[None, :], mask=mask, other=0) >> (d // W1)[None, :].to(tl.uint8)) & 1
-        q = lo | (hi << 2)
-        if BITS == -2:  # symmetric levels; the fp16 norm's two bytes follow the codes (rows of page 0 when masked)
-            levels = tl.where(mask, q.to(tl.float32) - 3.0, 0.0)
-            norm = (tl.load(base + 3 * D // 8) | (tl.load(base + 3 * D // 8 + 1).to(tl.uint16) << 8)).to(
-                tl.float16, bitcast=True).to(tl.float32)  # [BLOCK_N, 1]
-            size = tl.sqrt(tl.sum(levels * levels, 1))[:, None]
-            return levels * (norm / tl.maximum(size, 1e-30))
-        if BITS == -3:  # one (scale, minimum) per page
-            scale = tl.load(meta + 0 * d[None, :], mask=mask, other=0.0)
-            low = tl.load(meta + 1 + 0 * d[None, :], mask=mask, other=0.0)
-            return tl.where(mask, q.to(tl.float32) * scale + low, 0.0)
+        x = tl.sum(x[:, :, None] * (channel[:, :, None] == d[None, None, :]).to(tl.float32), 1)
+    elif BITS == -2:  # symmetric levels; the fp16 norm's two bytes follow the codes (rows of page 0 when masked)
+        levels = tl.where(mask, _three_bits(base, d, mask, D).to(tl.float32) - 3.0, 0.0)
+        norm = (tl.load(base + 3 * D // 8) | (tl.load(base + 3 * D // 8 + 1).to(tl.uint16) << 8)).to(
+            tl.float16, bitcast=True).to(tl.float32)  # [BLOCK_N, 1]
+        size = tl.sqrt(tl.sum(levels * levels, 1))[:, None]
+        x = levels * (norm / tl.maximum(size, 1e-30))
+    elif BITS == -3:  # one (scale, minimum) per page
+        scale = tl.load(meta + 0 * d[None, :], mask=mask, other=0.0)
+        low = tl.load(meta + 1 + 0 * d[None, :], mask=mask, other=0.0)
+        x = tl.where(mask, _three_bits(base, d, mask, D).to(tl.float32) * scale + low, 0.0)
     else:
-        W: tl.constexpr = D * BITS // 8
-        q = (tl.load(base + (d % W)[None, :], mask=mask, other=0) >> ((d // W) * BITS)[None, :].to(tl.uint8)) \
-            & ((1 << BITS) - 1)
-    group = d[None, :] if GROUP == -1 else (d // GROUP)[None, :]
-    scale = tl.load(meta + 2 * group, mask=mask, other=0.0).to(tl.float32)
-    low = tl.load(meta + 2 * group + 1, mask=mask, other=0.0).to(tl.float32)
-    return q.to(tl.float32) * scale + low
+        if BITS == 3:
+            q = _three_bits(base, d, mask, D)
+        else:
+            W: tl.constexpr = D * BITS // 8
+            q = (tl.load(base + (d % W)[None, :], mask=mask, other=0) >> ((d // W) * BITS)[None, :].to(tl.uint8)) \
+                & ((1 << BITS) - 1)
+        group = d[None, :] if GROUP == -1 else (d // GROUP)[None, :]
+        scale = tl.load(meta + 2 * group, mask=mask, other=0.0).to(tl.float32)
+        low = tl.load(meta + 2 * group + 1, mask=mask, other=0.0).to(tl.float32)
+        x = q.to(tl.float32) * scale + low
+    return x
 
 
 @triton.jit
@@ -153,7 +161,8 @@ def _decode_split_kernel(
                        D, K_BITS, K_GROUP)
         v = _load_rows(v_ptr, v_meta_ptr, page, j % P, d, kv_ok, stride_vn, stride_vp, stride_vmn, stride_vmp,
                        D, V_BITS, V_GROUP)
-        s = _dot(q, tl.trans(k.to(q.dtype)), F32_DOT) * scale  # [BLOCK_G, BLOCK_N] fp32
+        # [BLOCK_G, BLOCK_N] fp32; the cast: Inductor passes a Python float to a kernel as fp64
+        s = (_dot(q, tl.trans(k.to(q.dtype)), F32_DOT) * scale).to(tl.float32)
         if WEIGHTED:  # an entry standing for w tokens: + log w on its logit
             s = s + tl.load(lw_ptr + page * P + j % P, mask=j_ok, other=0.0)[None, :]
         s = tl.where(visible[None, :], s, float("-inf"))
