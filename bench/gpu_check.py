@@ -166,7 +166,7 @@ def bench_decode(device, gen, flex):
         kv_bytes = tokens * (row_bytes + 4)  # K + V as stored (scales included), page_pos int32
         rows[name] = {"decode_us": t * 1e6, "kv_bytes": kv_bytes, "achieved_GBps": kv_bytes / t / 1e9,
                       "fraction_of_copy_bw": kv_bytes / t / copy_bw, "floor_us": kv_bytes / copy_bw * 1e6}
-    if flex is not None:  # its block mask is rebuilt from the page table each call: timed with it, without a graph
+    if flex is not None:  # a BlockMask is made each call (its page-table part is kept): timed with it, no graph
         args = (q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], cache.lengths[0], D**-0.5, 0)
         t = _event_time(lambda: flex_paged_decode(*args, attend=flex))
         kv_bytes = tokens * (2 * D * 2 + 4)

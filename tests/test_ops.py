@@ -238,6 +238,14 @@ def test_flex_paged_decode_matches_the_reference(shuffle, window):
     args = (q, qp, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_table[0], cache.lengths[0], 0.3, window)
     torch.testing.assert_close(flex_paged_decode(*args), reference.paged_attention(*args), atol=1e-5, rtol=1e-5,
                                msg=lambda m: f"seed {seed}: {m}")
+    # what follows from the page table is kept until it changes: new lengths alone, then a changed table, are read
+    cache.lengths[0] -= (cache.lengths[0] > 0).int()
+    torch.testing.assert_close(flex_paged_decode(*args), reference.paged_attention(*args), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"seed {seed}, shorter heads on the same pages: {m}")
+    cache.page_table[0, 0] = cache.page_table[0, 0].flip(0)  # two heads swap their pages (and so their tokens)
+    cache.lengths[0, 0] = cache.lengths[0, 0].flip(0)
+    torch.testing.assert_close(flex_paged_decode(*args), reference.paged_attention(*args), atol=1e-5, rtol=1e-5,
+                               msg=lambda m: f"seed {seed}, pages swapped between heads: {m}")
 
 
 def test_eager_runs_call_the_op_bodies_and_the_programs_keep_the_ops(llama_cm):

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 import torch
 from torch import Tensor
 
@@ -26,3 +29,22 @@ def heads_view(pool: Tensor, page_table: Tensor, first_page: int | None = None) 
     if first_page is None:
         return gather_pages(pool, page_table)
     return pool[first_page : first_page + page_table.numel()].view(*page_table.shape[:2], -1, *pool.shape[2:])
+
+
+def per_page_table(page_table: Tensor, key, build: Callable[[Tensor], object]):
+    """``build(page_table)``, made once per change of the page table (a reservation, a release, a renumbering: its
+    version moves) and per layer (``page_table`` may be one layer's view of the cache's table) and ``key``: what a
+    decode derives on the host from where heads' pages lie, read once per change instead of at every step, as
+    ``PagedKVCache.packed`` is."""
+    base = page_table if page_table._base is None else page_table._base
+    ref, version, made = _made_for.get(id(base), (None, None, None))
+    if ref is None or ref() is not base or version != base._version:
+        made = {}
+        _made_for[id(base)] = (weakref.ref(base, lambda _, i=id(base): _made_for.pop(i, None)), base._version, made)
+    layer = (page_table.storage_offset(), tuple(page_table.shape), key)
+    if layer not in made:
+        made[layer] = build(page_table)
+    return made[layer]
+
+
+_made_for: dict = {}  # id of a page table -> (a weak reference to it, its version, what was built per layer and key)

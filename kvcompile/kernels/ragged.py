@@ -3,13 +3,12 @@ per layer would pad every head to the longest. Grouping heads by page count read
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from . import reference  # (reference imports this module too: names are read at call time)
+from .paging import per_page_table
 
 CLASS_OVERHEAD = 32  # what one more length class costs (launches, indexing), in head-pages read
 
@@ -25,23 +24,12 @@ def page_classes(page_table: Tensor) -> list[tuple[Tensor, int]]:
     entries: a head may own a few pages ahead of its length) into classes that minimise the pages a decode step
     reads, each class padded to its longest head, plus ``CLASS_OVERHEAD`` per class: [(indices, width in pages)].
     One class (equal heads, or too few to gain) means the plain path. Read on the host once per page-table change
-    (a reservation, a release, a renumbering), as ``PagedKVCache.packed`` is, not at every decode step."""
-    base = page_table if page_table._base is None else page_table._base
-    key = id(base)
-    ref, version, overhead, layers = _classes_for.get(key, (None, None, None, None))
-    if ref is None or ref() is not base or version != base._version or overhead != CLASS_OVERHEAD:
-        layers = {}
-        _classes_for[key] = (weakref.ref(base, lambda _: _classes_for.pop(key, None)), base._version,
-                             CLASS_OVERHEAD, layers)
-    layer = (page_table.storage_offset(), tuple(page_table.shape))
-    if layer not in layers:
-        owned = (page_table != 0).sum(-1).reshape(-1).tolist()
-        layers[layer] = [(torch.tensor(run, device=page_table.device), max(owned[i] for i in run))
-                         for run in _page_runs(owned)]
-    return layers[layer]
+    (``paging.per_page_table``), not at every decode step."""
+    def build(table: Tensor) -> list[tuple[Tensor, int]]:
+        owned = (table != 0).sum(-1).reshape(-1).tolist()
+        return [(torch.tensor(run, device=table.device), max(owned[i] for i in run)) for run in _page_runs(owned)]
 
-
-_classes_for: dict = {}  # id of a page table -> (a weak reference to it, its version, CLASS_OVERHEAD, classes per layer)
+    return per_page_table(page_table, ("classes", CLASS_OVERHEAD), build)
 
 
 def _page_runs(pages: list[int]) -> list[list[int]]:
