@@ -79,8 +79,13 @@ def token_counts(cache: PagedKVCache, allocator: Allocator, scores: Tensor, stat
                  lengths: Tensor, floor: Tensor | None = None) -> Tensor:
     """[L, B, Hkv] tokens each head keeps: the allocator's counts, at most ``lengths`` (what it holds that is still
     visible: ``out_of_window``), fit to whole pages, none below ``floor`` (restore entries, ranked first: the
-    allocator is asked again for fewer tokens while the pages they leave do not fit)."""
+    allocator is asked again for fewer tokens while the pages they leave do not fit). An allocator that chooses
+    whole pages itself (``Allocator.allocate_pages``) does so where there is no floor."""
     tokens, max_pages = budget_bytes // cache.stored_token_bytes, budget_bytes // cache.stored_page_bytes
+    if floor is None:
+        counts = allocator.allocate_pages(scores, lengths, max_pages, cache.page_size)
+        if counts is not None:
+            return counts
     while True:
         counts = allocator.allocate(scores, lengths, tokens, *stats).long().clamp(min=0).minimum(lengths)
         counts = fit_to_pages(counts, max_pages, cache.page_size, floor)

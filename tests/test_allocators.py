@@ -334,3 +334,36 @@ def test_catekv_calibration_classifies_heads(llama_cm, tmp_path, monkeypatch):
     kept = cm.cache.lengths[:, 0]
     keep_more = torch.tensor(adaptive)
     assert kept[keep_more].min() > kept[~keep_more].max()
+
+
+def test_global_topk_whole_pages_keeps_the_most_score_any_page_choice_can():
+    """``GlobalTopK(whole_pages=True)`` against every choice of whole pages per head (brute force, fresh random
+    scores and lengths): within the page budget, no choice keeps more score; counts are whole pages or a head's
+    length; pinned tokens' pages are kept first."""
+    import itertools
+
+    from kvcompile.methods.kvzip import GlobalTopK
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    P, S = 2, 7
+    for _ in range(20):
+        lengths = torch.randint(0, S + 1, (1, 1, 3), generator=g)
+        scores = torch.rand(1, 1, 3, S, generator=g).masked_fill(torch.arange(S) >= lengths[..., None], float("-inf"))
+        max_pages = torch.randint(0, 8, (1,), generator=g)
+        counts = GlobalTopK(whole_pages=True).allocate_pages(scores, lengths, max_pages, P)
+        pages = -(-counts // P)
+        assert int(pages.sum()) <= int(max_pages), f"seed {seed}: over the page budget"
+        assert ((counts % P == 0) | (counts == lengths)).all() and (counts <= lengths).all(), f"seed {seed}"
+
+        def kept(c):  # the score a head keeps with its best c tokens
+            best = scores[0, 0].clamp_min(0).sort(-1, descending=True).values
+            return sum(float(best[h, : int(c[h])].sum()) for h in range(3))
+
+        held = [-(-int(n) // P) for n in lengths.flatten()]
+        best = max(kept([min(p * P, int(n)) for p, n in zip(choice, lengths.flatten())])
+                   for choice in itertools.product(*(range(h + 1) for h in held)) if sum(choice) <= int(max_pages))
+        assert kept(counts.flatten()) >= best - 1e-6, f"seed {seed}: {kept(counts.flatten())} < {best}"
+    pinned = base.protect(torch.rand(1, 1, 2, 4), torch.tensor([False, True])[:, None].expand(2, 4)[None, None])
+    counts = GlobalTopK(whole_pages=True).allocate_pages(pinned, torch.full((1, 1, 2), 4), torch.tensor([2]), 2)
+    assert counts.flatten().tolist() == [0, 4], "the pinned head's pages first"

@@ -185,6 +185,12 @@ class Allocator:
         layers, as a fourth argument ``stats``."""
         raise NotImplementedError
 
+    def allocate_pages(self, scores: Tensor, lengths: Tensor, max_pages: Tensor, page_size: int) -> Tensor | None:
+        """Counts [L, B, Hkv] in whole pages of ``page_size`` tokens (a head's last page may be its partial one),
+        at most ``max_pages`` [B] pages per sequence, chosen by this allocator's own rule; None (the default):
+        the engine rounds ``allocate``'s token counts down to pages (``compress.fit_to_pages``)."""
+        return None
+
     def check(self, num_layers: int) -> None:
         """Refuse, before anything runs, parameters that do not fit a model of ``num_layers`` layers."""
 

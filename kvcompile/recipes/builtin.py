@@ -74,15 +74,17 @@ _BUILTIN = [
         inferred="blending fixed at 0.35, where kvpress uses the compression ratio; z-scores per head",
     ),
     Recipe(
-        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, version=4,
+        "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, {"whole_pages": True}, version=5,
         source="https://arxiv.org/abs/2505.23416", provenance="peer",
-        inferred="no 'Repeat the previous context' instruction, as scorers have no tokenizer; one reconstruction chunk",
+        inferred="no 'Repeat the previous context' instruction, as scorers have no tokenizer; one reconstruction "
+                 "chunk; the global competition is between whole pages (the byte budget pays for pages)",
     ),
     Recipe(
-        "kvgrad", "kvgrad", "global-topk", {"n_sink": 4, "window": 8192},
+        "kvgrad", "kvgrad", "global-topk", {"n_sink": 4, "window": 8192}, {"whole_pages": True}, version=2,
         source="https://openreview.net/forum?id=cg1wTCJjjk (kvpress KVgradPress)", provenance="peer",
         inferred="KVzip's one reconstruction chunk with no instruction (kvpress: 512-token chunks after 'Repeat the "
-                 "previous context' prompts); the backward pass through the source model, not the paged programs",
+                 "previous context' prompts); the backward pass through the source model, not the paged programs; "
+                 "the global competition is between whole pages",
     ),
     *LEARNED,  # kvzap, dms: weights trained here (recipes.learned)
     Recipe(
