@@ -76,15 +76,13 @@ _BUILTIN = [
     Recipe(
         "kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, {"whole_pages": True}, version=5,
         source="https://arxiv.org/abs/2505.23416", provenance="peer",
-        inferred="no 'Repeat the previous context' instruction, as scorers have no tokenizer; one reconstruction "
-                 "chunk; the global competition is between whole pages (the byte budget pays for pages)",
+        inferred="no 'Repeat the previous context' instruction (scorers have no tokenizer); one chunk; whole pages",
     ),
     Recipe(
         "kvgrad", "kvgrad", "global-topk", {"n_sink": 4, "window": 8192}, {"whole_pages": True}, version=2,
         source="https://openreview.net/forum?id=cg1wTCJjjk (kvpress KVgradPress)", provenance="peer",
         inferred="KVzip's one reconstruction chunk with no instruction (kvpress: 512-token chunks after 'Repeat the "
-                 "previous context' prompts); the backward pass through the source model, not the paged programs; "
-                 "the global competition is between whole pages",
+                 "previous context' prompts); the backward through the source model; whole pages compete",
     ),
     *LEARNED,  # kvzap, dms: weights trained here (recipes.learned)
     Recipe(
