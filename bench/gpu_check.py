@@ -197,7 +197,8 @@ def _graph_time(run) -> float:
 
 
 def _event_time(run) -> float:
-    """Seconds per call of ``run`` (no graph), after warm-up."""
+    """Seconds per call of ``run`` (no graph), after warm-up: on one stream the events also count the host's time
+    between launches, so an eager step's Python is in it, as a user sees it."""
     for _ in range(3):
         run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -254,18 +255,6 @@ def check_model(device, gen):
         rows.append({"check": f"model fp32 budget 1.0 {'compiled' if compiled else 'eager'} vs transformers",
                      "max_err": err, "ok": err <= 1e-3})
     return rows
-
-
-def _step_time(step, steps=20) -> float:
-    """Seconds per call of ``step`` (wall clock between synchronisations: a user's view), after warm-up."""
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
 
 
 @torch.no_grad()
@@ -331,7 +320,7 @@ def bench_model(device, gen, copy_bw, shapes=((1, 4096), (4, 4096))):
                     kv_step, cm.cache_stats()["bytes_held"])
         for name, (step, kv_bytes) in steps.items():
             try:
-                t = _step_time(step)
+                t = _event_time(step)
             except Exception as e:  # one variant's failure is a row, not the end of the section
                 cells.append({"batch": batch, "context": T, "variant": name, "error": repr(e)[:300]})
                 traceback.print_exc()

@@ -91,8 +91,13 @@ def kl_and_score(model, tok, prompt, press, full_logits=None):
     score = sum(a.lower() in text for a in prompt["answers"]) / len(prompt["answers"])
     if full_logits is None:
         return None, score, logits
+    return token_kl(full_logits, logits), score, logits
+
+
+def token_kl(full_logits, logits) -> list[float]:
+    """KL(full || compressed) of the next-token distribution at every position."""
     lp_full, lp = torch.log_softmax(full_logits.float(), -1), torch.log_softmax(logits.float(), -1)
-    return (lp_full.exp() * (lp_full - lp)).sum(-1).clamp_min(0).tolist(), score, logits
+    return (lp_full.exp() * (lp_full - lp)).sum(-1).clamp_min(0).tolist()
 
 
 def kvcompile_rows(prompts, budget):
@@ -115,8 +120,7 @@ def kvcompile_rows(prompts, budget):
                 with torch.no_grad():
                     m.prefill(torch.tensor([q["context"]]), logits="last")
                     out.append(m.prefill(torch.tensor([q["reference"]]), compress=False)[0, :-1])
-            lp_full, lp = torch.log_softmax(out[0].float(), -1), torch.log_softmax(out[1].float(), -1)
-            kls += (lp_full.exp() * (lp_full - lp)).sum(-1).clamp_min(0).tolist()
+            kls += token_kl(*out)
         rows.append({"variant": name, "kl_mean": sum(kls) / len(kls)})
         print(f"{name:<35} KL {rows[-1]['kl_mean']:.3f}", flush=True)
     return rows
