@@ -202,9 +202,12 @@ def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, co
 
 def kernel_speed(context: int, rounds: int) -> dict:
     """One layer's decode attention (SmolLM2's shape: batch 4, 9 query and 3 KV heads of 64) over ``context``
-    random tokens per head: the model-dtype pages read in place, and each format read by the two-pass decode
-    (``reference.stored_decode``) and by the tile-by-tile merged attention it replaced for decode
-    (``reference.merged_attention``); median of ``rounds`` interleaved calls."""
+    random tokens per head: fp32 pages read in place (the packed run, by a matmul; and by the native one-pass
+    decode, as shuffled or ragged heads are), and each format read by the native one-pass decode
+    (``kernels.cpu_native``), by the PyTorch two-pass decode (``reference.stored_decode`` with the native path off)
+    and by the tile-by-tile merged attention (``reference.merged_attention``); median of ``rounds`` interleaved
+    calls."""
+    import os
     import statistics
     import time
 
@@ -212,6 +215,15 @@ def kernel_speed(context: int, rounds: int) -> dict:
 
     from kvcompile.kernels import reference
     from kvcompile.kernels.formats import encode_pool
+
+    def pytorch_only(call):
+        def run():
+            os.environ["KVCOMPILE_DECODE_BACKEND"] = "reference"
+            try:
+                return call()
+            finally:
+                os.environ.pop("KVCOMPILE_DECODE_BACKEND")
+        return run
 
     g = torch.Generator().manual_seed(0)
     B, Hkv, G, D, P = 4, 3, 3, 64, 16
@@ -223,12 +235,14 @@ def kernel_speed(context: int, rounds: int) -> dict:
     empty = (torch.zeros(2, P, D),) * 2 + (torch.zeros(2, P, dtype=torch.int32), torch.zeros(B, Hkv, 2, dtype=torch.int32),
                                           torch.zeros(B, Hkv, dtype=torch.int32))
     dense = reference.gather_dense(*empty)
-    calls = {("float32", "in place"): lambda: reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.125,
-                                                                        first_page=1)}
+    fp32 = (q, q_pos, k, v, pos, table, lengths, 0.125)
+    calls = {("float32", "in place (matmul)"): lambda: reference.paged_attention(*fp32, first_page=1),
+             ("float32", "native, one pass"): lambda: reference.paged_attention(*fp32)}
     for name in ("int8", "int4", "kivi2", "fp8"):
         f = get_format(name)
         stored = reference.FormatPages(*encode_pool(f.key, k), *encode_pool(f.value, v), pos, table, lengths)
-        calls[(name, "two-pass")] = lambda s=stored: reference.stored_decode(q, dense, s, 0.125)
+        calls[(name, "native, one pass")] = lambda s=stored: reference.stored_decode(q, dense, s, 0.125)
+        calls[(name, "PyTorch, two passes")] = pytorch_only(lambda s=stored: reference.stored_decode(q, dense, s, 0.125))
         calls[(name, "merged tiles")] = lambda s=stored: reference.merged_attention(q, q_pos, dense, s, 0.125, 0, 1 << 26)
     times = {key: [] for key in calls}
     with torch.no_grad():
@@ -237,7 +251,7 @@ def kernel_speed(context: int, rounds: int) -> dict:
                 t0 = time.perf_counter()
                 call()
                 times[key].append((time.perf_counter() - t0) * 1e3)
-    ref = statistics.median(times[("float32", "in place")])
+    ref = statistics.median(times[("float32", "in place (matmul)")])
     rows = [{"format": f, "path": path, "ms": statistics.median(t), "vs_float32": statistics.median(t) / ref}
             for (f, path), t in times.items()]
     return {"config": {"context": context, "rounds": rounds, "threads": torch.get_num_threads()}, "rows": rows}
@@ -247,7 +261,7 @@ def kernel_markdown(result: dict) -> str:
     c = result["config"]
     lines = [f"# One layer's decode attention over page formats (batch 4, 9/3 heads of 64, {c['context']} tokens per "
              f"head, {c['threads']} threads, median of {c['rounds']})", "",
-             "| format | path | ms | vs float32 pages |", "|---|---|---|---|"]
+             "| format | path | ms | vs float32 pages in place (matmul) |", "|---|---|---|---|"]
     lines += [f"| {r['format']} | {r['path']} | {r['ms']:.1f} | {r['vs_float32']:.2f}x |" for r in result["rows"]]
     return "\n".join(lines) + "\n"
 

@@ -39,9 +39,10 @@ DECODE_BACKENDS = ("auto", "reference", "flex")
 
 def decode_backend() -> str:
     """The decode attention backend, from ``KVCOMPILE_DECODE_BACKEND``: ``auto`` (default: the Triton kernel on
-    CUDA, the PyTorch reference elsewhere), ``reference``, or ``flex`` (``kernels.flex``: flex_attention compiled
-    by Inductor, its C++ template on CPU; eager programs over model-dtype pages only). Read at every decode step
-    of an eager program, and when a compiled one is traced."""
+    CUDA; on the CPU the native one-pass decode, ``kernels.cpu_native``, where it reads the pages and the step is not
+    traced; the PyTorch reference elsewhere), ``reference`` (the PyTorch reference alone), or ``flex``
+    (``kernels.flex``: flex_attention compiled by Inductor, its C++ template on CPU; eager programs over model-dtype
+    pages only). Read at every decode step of an eager program, and when a compiled one is traced."""
     name = os.environ.get("KVCOMPILE_DECODE_BACKEND", "auto")
     if name not in DECODE_BACKENDS:
         raise ValueError(f"KVCOMPILE_DECODE_BACKEND={name!r}: pick one of {', '.join(DECODE_BACKENDS)}")

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import latent
+from . import cpu_native, latent
 from .formats import codec_of
 from .paging import gather_pages
 
@@ -75,3 +75,15 @@ class FormatPages(NamedTuple):
                                  basis[:, :head_dim])
             return mixed + p.sum(-1, keepdim=True) * basis[:, 2 * head_dim, None]
         return codec_of(self.v, self.v_meta, head_dim).mix(p, codes, meta)
+
+    def native_attention(self, q: Tensor, head_dim: int) -> tuple[Tensor, Tensor] | None:
+        """Attention of q [B, Hkv, G, D] (scaled) over the whole pool in one pass, each row read in place
+        (``cpu_native``): the output [B, Hkv, G, D] and its log-sum-exp [B, Hkv, G]; None where that does not
+        serve this pool (then ``scores`` and ``mix`` do)."""
+        if self.latent:
+            return None
+        keys = (codec_of(self.k, self.k_meta, head_dim), self.k, self.k_meta)
+        values = (codec_of(self.v, self.v_meta, head_dim), self.v, self.v_meta)
+        if not cpu_native.serves(q, keys, values):
+            return None
+        return cpu_native.attend(q, keys, values, self.table, self.lengths)

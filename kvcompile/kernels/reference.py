@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import ragged
+from . import cpu_native, ragged
 from .format_pages import FormatPages
 from .paging import gather_pages, heads_view, rows_of
 
@@ -66,8 +66,9 @@ def paged_attention(
     position is not after its own (causal) and, if ``window > 0``, is less than ``window`` positions behind.
     Hq must be a multiple of Hkv (GQA: query head i reads KV head i // (Hq // Hkv)). Returns [B, Hq, T, D]; a
     query that sees no key (a padding row, an empty head) gets zeros. A single query (T == 1) is a decode step:
-    the newest token, so without a window no position check is needed. ``first_page``: the heads' pages are the
-    packed run starting there (``PagedKVCache.packed``), read in place instead of gathered. ``stored``: the
+    the newest token, so without a window no position check is needed; on the CPU, outside a trace, fp32 pages are
+    then read in place by ``cpu_native`` (one pass, each head as far as it holds). ``first_page``: the heads' pages
+    are the packed run starting there (``PagedKVCache.packed``), read in place instead of gathered. ``stored``: the
     layer's format pool, whose entries every head also holds (``FormatPages``; attended by ``stored_decode`` for a
     decode step without a window, else by ``merged_attention``). ``log_weights``: the pool's log-weights
     ([N_pages, P], added to each entry's logit: an entry of weight w gets the mass of w tokens with its key); None
@@ -80,6 +81,9 @@ def paged_attention(
             return stored_decode(q, dense, stored, scale)
         return merged_attention(q, q_pos, dense, stored, scale, window, block_bytes)
     B, Hq, T, D = q.shape
+    if T == 1 and window == 0 and ragged.concrete(lengths) and cpu_native.serves(
+            q.reshape(B, page_table.shape[1], -1, D), (None, k_pages, None), (None, v_pages, None)):
+        return cpu_native.decode(q, k_pages, v_pages, page_table, lengths, scale, log_weights)  # in place, as held
     weighted = log_weights is not None and log_weights.shape[0] > 0  # a shape, not values, picks the path
     weights = heads_view(log_weights, page_table, first_page) if weighted else None  # [B, Hkv, S]
     if T == 1 and window == 0 and first_page is None and ragged.concrete(lengths):
@@ -165,11 +169,20 @@ def stored_decode(q, dense, stored: FormatPages, scale: float, tile_tokens: int 
     and its format pool, in two passes over the pool's tiles of pages: every tile's scores, read from the codes
     (``Codec.dot``), one softmax, then every tile's weighted sum (``Codec.mix``). A codec that folds its scales
     never writes decoded rows, and a tile is small enough to stay in cache where one is decoded. Called by opaque
-    ops only, as ``merged_attention``."""
+    ops only, as ``merged_attention``. Where ``cpu_native`` reads the pool, it attends to it in one pass instead,
+    and the dense entries' softmax state is merged with its by log-sum-exp."""
     B, Hq, _, D = q.shape
     keys, values, _, valid = dense
     Hkv, S0, P = keys.shape[1], keys.shape[2], stored.pos.shape[1]
     qg = q.float().view(B, Hkv, Hq // Hkv, D) * scale
+    native = stored.native_attention(qg, D)
+    if native is not None:
+        out, lse = native
+        if S0 > 0:
+            logits = torch.matmul(qg, keys.float().transpose(-1, -2)).masked_fill(~valid[:, :, None], float("-inf"))
+            dense_out = torch.matmul(torch.softmax(logits, -1).nan_to_num(0.0), values.float())
+            out, _ = _merge(out, lse, dense_out, torch.logsumexp(logits, -1))
+        return out.view(B, Hq, 1, D).to(q.dtype)
     step = max(1, tile_tokens // P)
     tiles = [slice(s, s + step) for s in range(0, stored.table.shape[-1], step)]
     scores = [torch.matmul(qg, keys.float().transpose(-1, -2))]

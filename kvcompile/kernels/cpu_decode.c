@@ -1,0 +1,331 @@
+/* A decode step's attention over a page pool on the CPU in one pass, reading each row where it lies in the pool.
+
+   The eager PyTorch path converts every code to fp32 in memory before a product reads it again, so format pages
+   cost one more pass than fp32 pages (docs/results.md), and it gathers ragged heads before reading them. Here each
+   (KV head, chunk of pages) keeps a running softmax (flash-decoding): a page's key rows are unpacked into a buffer
+   that stays in the L1 cache and scored at once, the page's weights taken, and its value rows unpacked and summed
+   in; the codes are read once, as bytes, with the scales folded in, and a head is read only as far as it holds.
+
+   Row kinds (``kind``), with the layouts of ``packing`` and ``formats`` (``cpu_native.py`` names them):
+     2, 3, 4, 8  IntCodec: ``8 / bits`` planes of D * bits / 8 channels (int3: a 2-bit plane of the low bits, then a
+                 1-bit plane of the high bit); fp16 scale and minimum per group of channels (a multiple of 16):
+                 score s * (q . c) + m * sum(q) per group; weights p * s on the codes, p * m summed apart
+     -2, -4      ChannelCodec (KIVI's keys only): fp16 scale and minimum per channel and page, folded into the
+                 query once per page: (q * s) . c + q . m
+     0           float8 e4m3 codes, one fp32 scale per row (through a table of all 256 codes: ``e4m3_row``)
+     32          fp32 rows, no metadata (a ragged decode: each head read only as far as it holds)
+   Built and loaded by ``cpu_native.py``; the PyTorch decode (``reference.stored_decode``, the gathering decode) is
+   the reference it is tested against. */
+
+#include <stdint.h>
+#include <string.h>
+
+typedef _Float16 half;
+typedef float lanes __attribute__((vector_size(64))); /* 16 floats; split by the compiler where registers are narrower */
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef float lanes4 __attribute__((vector_size(16)));
+
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_D 512
+#define FP8 0
+#define FP32 32
+
+INLINE lanes load(const float *p) {
+    lanes v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The sum of 16 lanes as a tree of halves (a plain loop would add them one after another: strict float order). */
+INLINE float sum_lanes(lanes a) {
+    lanes8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+    lanes4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* q . x over n channels (a multiple of 16), two chains of 16 partial sums. */
+INLINE float dot(const float *restrict q, const float *restrict x, int n) {
+    lanes a = {0}, b = {0};
+    for (int d = 0; d < n; d += 32) {
+        a += load(q + d) * load(x + d);
+        if (d + 16 < n) b += load(q + d + 16) * load(x + d + 16);
+    }
+    return sum_lanes(a + b);
+}
+
+INLINE void unpack_plane(const uint8_t *restrict c, int width, int bits, float *restrict x) {
+    typedef uint8_t bytes16 __attribute__((vector_size(16)));
+    typedef int32_t ints __attribute__((vector_size(64)));
+    const int planes = 8 / bits, mask = (1 << bits) - 1;
+    if (planes == 4 && width % 16 == 0) { /* 2-bit planes: 16 bytes widened once, every plane shifted out of them */
+        for (int j = 0; j < width; j += 16) {
+            bytes16 b;
+            memcpy(&b, c + j, sizeof b);
+            const ints v = __builtin_convertvector(b, ints);
+            for (int i = 0; i < planes; ++i) {
+                const lanes f = __builtin_convertvector((v >> (i * bits)) & mask, lanes);
+                memcpy(x + i * width + j, &f, sizeof f);
+            }
+        }
+        return;
+    }
+    for (int i = 0; i < planes; ++i) /* the form the compiler vectorizes best for 8 and 4 bits (measured) */
+        for (int j = 0; j < width; ++j) x[i * width + j] = (float)((c[j] >> (i * bits)) & mask);
+}
+
+/* float8 e4m3fn codes -> their values / 256, through a table of all 256 built at load: a code's bits shifted into
+   a binary16 are that number exactly (the subnormals included). The encoder never writes NaN (it clamps). */
+static float e4m3_table[256];
+
+__attribute__((constructor)) static void build_e4m3_table(void) {
+    for (int b = 0; b < 256; ++b) {
+        const uint16_t bits = (uint16_t)(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+        half h;
+        memcpy(&h, &bits, sizeof h);
+        e4m3_table[b] = (float)h;
+    }
+}
+
+INLINE void e4m3_row(const uint8_t *restrict c, int D, float *restrict x) {
+    for (int d = 0; d < D; ++d) x[d] = e4m3_table[c[d]];
+}
+
+/* One stored row's codes -> x [D], unscaled (integer codes as numbers 0 .. 2^bits - 1). Not for fp32 rows. */
+INLINE void unpack_row(const uint8_t *restrict c, int D, int kind, float *restrict x) {
+    const int bits = kind < 0 ? -kind : kind;
+    if (kind == FP8) {
+        e4m3_row(c, D, x);
+    } else if (bits == 3) {
+        float high[MAX_D];
+        unpack_plane(c, D / 4, 2, x);
+        unpack_plane(c + D / 4, D / 8, 1, high);
+        for (int d = 0; d < D; ++d) x[d] += 4.0f * high[d];
+    } else {
+        unpack_plane(c, D * bits / 8, bits, x);
+    }
+}
+
+/* exp(x) for 16 lanes of x <= 0 (Cody-Waite reduction, degree-5 polynomial on [-ln2/2, ln2/2]: relative error
+   below 1e-7 on [-87, 0], measured);
+   below -87 it returns about 1e-38, never 0, so the caller zeroes what must be 0. */
+INLINE lanes exp_lanes(lanes x) {
+    typedef int32_t ints __attribute__((vector_size(64)));
+    const ints low = x < -87.0f; /* -1 where x is below the floor */
+    ints xi, floor_i;
+    const lanes floor_x = (lanes){0} - 87.0f;
+    memcpy(&xi, &x, sizeof xi);
+    memcpy(&floor_i, &floor_x, sizeof floor_i);
+    xi = (xi & ~low) | (floor_i & low);
+    memcpy(&x, &xi, sizeof x);
+    lanes fx = x * 1.44269504088896341f + 0.5f;
+    lanes n = __builtin_convertvector(__builtin_convertvector(fx, ints), lanes);
+    n += __builtin_convertvector(n > fx, lanes); /* truncation -> floor: a true comparison is -1 */
+    const lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    lanes p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ints e = (__builtin_convertvector(n, ints) + 127) << 23;
+    lanes scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+#define MAX_G 8
+#define MAX_P 256
+
+/* A key row's score for query row g (x: the row unpacked; fp32 rows: the row itself). */
+INLINE float score(const int kind, const float *restrict qg, const float *restrict sg, const float *restrict qs,
+                   float qm, const float *restrict x, const void *restrict meta, int64_t row, int D, int groups) {
+    if (kind == FP32) return dot(qg, x, D);
+    if (kind == FP8) return 256.0f * ((const float *)meta)[row] * dot(qg, x, D);
+    if (kind < 0) return dot(qs, x, D) + qm;
+    const half *m = (const half *)meta + row * 2 * groups;
+    const int n = D / groups;
+    lanes sum = {0}; /* each group's products scaled as vectors: one sum across lanes a row */
+    float acc = 0.0f;
+    for (int k = 0; k < groups; ++k) {
+        lanes v = {0};
+        for (int d = k * n; d < (k + 1) * n; d += 16) v += load(qg + d) * load(x + d);
+        sum += (float)m[2 * k] * v;
+        acc += (float)m[2 * k + 1] * sg[k];
+    }
+    return acc + sum_lanes(sum);
+}
+
+/* A value row's scale and minimum per group as fp32 (fp32 rows: 1 and 0; fp8: the row's scale times 256, as
+   ``e4m3_row`` leaves the codes), read once for every query row. */
+INLINE void value_grid(const int kind, const void *restrict meta, int64_t row, int groups, float *restrict scale,
+                       float *restrict low) {
+    if (kind == FP32 || kind == FP8) {
+        scale[0] = kind == FP8 ? 256.0f * ((const float *)meta)[row] : 1.0f;
+        low[0] = 0.0f;
+        return;
+    }
+    const half *m = (const half *)meta + row * 2 * groups;
+    for (int k = 0; k < groups; ++k) {
+        scale[k] = (float)m[2 * k];
+        low[k] = (float)m[2 * k + 1];
+    }
+}
+
+INLINE void attend_body(const float *restrict q, const float *restrict qsum, const uint8_t *restrict kc,
+                        const void *restrict km, int kW, const int kgroups, const int kkind,
+                        const uint8_t *restrict vc, const void *restrict vm, int vW, const int vgroups, const int vkind,
+                        const float *restrict bias,
+                        const int32_t *restrict table, const int32_t *restrict lengths, int BH, int G, const int D,
+                        int P, int NP, int chunk, int threads, float *restrict m_out, float *restrict l_out,
+                        float *restrict o_out) {
+    const int C = (NP + chunk - 1) / chunk, Pv = (P + 15) / 16 * 16;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int bh = 0; bh < BH; ++bh)
+        for (int c = 0; c < C; ++c) {
+            float x[MAX_D], qs[MAX_G * MAX_D], qm[MAX_G], w[MAX_G * MAX_P], m[MAX_G], l[MAX_G] = {0};
+            float o[MAX_G * MAX_D] = {0}, lows[MAX_G * MAX_D / 16] = {0}, vb[16 * MAX_D], we[MAX_G * MAX_D], held[MAX_P];
+            const float *qh = q + (int64_t)bh * G * D, *sh = qsum + (int64_t)bh * G * kgroups;
+            for (int g = 0; g < G; ++g) m[g] = -__builtin_inff();
+            for (int pg = c * chunk; pg < NP && pg < (c + 1) * chunk; ++pg) {
+                const int rows = lengths[bh] - pg * P < P ? lengths[bh] - pg * P : P;
+                if (rows <= 0) break;
+                const int64_t page = table[(int64_t)bh * NP + pg];
+                for (int r = 0; r < Pv; ++r) held[r] = r < rows ? 1.0f : 0.0f;
+                for (int g = 0; g < G; ++g) /* rows past the length: finite after exp_lanes, then weighed 0 */
+                    for (int r = rows; r < Pv; ++r) w[g * Pv + r] = -__builtin_inff();
+                if (kkind < 0) { /* the page's channel grid folded into the query */
+                    const half *grid = (const half *)km + page * 2 * D;
+                    for (int g = 0; g < G; ++g) {
+                        qm[g] = 0.0f;
+                        for (int d = 0; d < D; ++d) {
+                            qs[g * D + d] = qh[g * D + d] * (float)grid[2 * d];
+                            qm[g] += qh[g * D + d] * (float)grid[2 * d + 1];
+                        }
+                    }
+                }
+                for (int r = 0; r < rows; ++r) { /* scores */
+                    const int64_t row = page * P + r;
+                    const float *xr = kkind == FP32 ? (const float *)(kc + row * kW) : x;
+                    if (kkind != FP32) unpack_row(kc + row * kW, D, kkind, x);
+                    const float b = bias ? bias[row] : 0.0f;
+                    for (int g = 0; g < G; ++g)
+                        w[g * Pv + r] = score(kkind, qh + g * D, sh + g * kgroups, qs + g * D, qm[g], xr, km, row,
+                                              D, kgroups) + b;
+                }
+                for (int g = 0; g < G; ++g) { /* the page's weights; the running state rescaled to a new maximum */
+                    float top = m[g];
+                    for (int r = 0; r < rows; ++r) top = w[g * Pv + r] > top ? w[g * Pv + r] : top;
+                    if (top > m[g]) {
+                        const float shrink = m[g] == -__builtin_inff() ? 0.0f : exp_lanes((lanes){0} + (m[g] - top))[0];
+                        l[g] *= shrink;
+                        for (int d = 0; d < D; ++d) o[g * D + d] *= shrink;
+                        for (int k = 0; k < vgroups; ++k) lows[g * vgroups + k] *= shrink;
+                        m[g] = top;
+                    }
+                    for (int r = 0; r < Pv; r += 16) {
+                        lanes e = exp_lanes(load(w + g * Pv + r) - m[g]);
+                        if (r + 16 > rows) e *= load(held + r); /* rows past the head's length weigh 0 */
+                        memcpy(w + g * Pv + r, &e, sizeof e);
+                        l[g] += sum_lanes(e);
+                    }
+                }
+                for (int r0 = 0; r0 < rows; r0 += 16) { /* weighted values, 16 rows at a time: o stays in registers */
+                    const int nr = rows - r0 < 16 ? rows - r0 : 16;
+                    const float *xs[16];
+                    for (int i = 0; i < nr; ++i) {
+                        const int64_t row = page * P + r0 + i;
+                        float scale[MAX_D / 16], low[MAX_D / 16];
+                        xs[i] = vkind == FP32 ? (const float *)(vc + row * vW) : vb + i * D;
+                        if (vkind != FP32) unpack_row(vc + row * vW, D, vkind, vb + i * D);
+                        value_grid(vkind, vm, row, vgroups, scale, low);
+                        for (int g = 0; g < G; ++g)
+                            for (int k = 0; k < vgroups; ++k) {
+                                const float p = w[g * Pv + r0 + i];
+                                we[(g * 16 + i) * vgroups + k] = p * scale[k];
+                                lows[g * vgroups + k] += p * low[k];
+                            }
+                    }
+                    const int n = D / vgroups;
+                    for (int g = 0; g < G; ++g)
+                        for (int d = 0; d < D; d += 16) {
+                            const float *wg = we + g * 16 * vgroups + d / n;
+                            lanes acc = load(o + g * D + d);
+                            for (int i = 0; i < nr; ++i) acc += wg[i * vgroups] * load(xs[i] + d);
+                            memcpy(o + g * D + d, &acc, sizeof acc);
+                        }
+                }
+            }
+            const int64_t at = ((int64_t)bh * C + c) * G;
+            for (int g = 0; g < G; ++g) {
+                m_out[at + g] = m[g];
+                l_out[at + g] = l[g];
+                for (int d = 0; d < D; ++d) o_out[(at + g) * D + d] = o[g * D + d] + lows[g * vgroups + d / (D / vgroups)];
+            }
+        }
+}
+
+/* The chunks' states merged per (KV head, query row): out [BH, G, D] normalized and lse [BH, G] (an empty head: 0 and
+   -inf). */
+static void merge_chunks(const float *m, const float *l, const float *o, int BH, int G, int D, int C, int threads,
+                         float *out, float *lse) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int i = 0; i < BH * G; ++i) {
+        const int bh = i / G, g = i % G;
+        float top = -__builtin_inff(), total = 0.0f;
+        for (int c = 0; c < C; ++c) top = m[(bh * C + c) * G + g] > top ? m[(bh * C + c) * G + g] : top;
+        float *y = out + (int64_t)i * D;
+        for (int d = 0; d < D; ++d) y[d] = 0.0f;
+        if (top == -__builtin_inff()) {
+            lse[i] = top;
+            continue;
+        }
+        for (int c = 0; c < C; ++c) {
+            const int64_t at = (int64_t)(bh * C + c) * G + g;
+            if (m[at] == -__builtin_inff()) continue;
+            const float a = exp_lanes((lanes){0} + (m[at] - top))[0];
+            total += a * l[at];
+            for (int d = 0; d < D; ++d) y[d] += a * o[at * D + d];
+        }
+        for (int d = 0; d < D; ++d) y[d] /= total;
+        lse[i] = top + __builtin_logf(total);
+    }
+}
+
+/* Softmax attention of one decode query row per (KV head, query row g) over the pool rows the page table [BH, NP]
+   lists, up to each head's length: out [BH, G, D] and its log-sum-exp lse [BH, G]. q [BH, G, D] is scaled already;
+   qsum [BH, G, key groups]: each key group's sum of q (integer keys); bias [N * P] (or NULL): added to each row's
+   score. Each of C chunks of ``chunk`` pages keeps its own running state in scratch ([BH, C, G] twice, then
+   [BH, C, G, D]), merged at the end. */
+void pool_attend(const float *q, const float *qsum, const uint8_t *kc, const void *km, int kW, int kgroups,
+                 int kkind, const uint8_t *vc, const void *vm, int vW, int vgroups, int vkind, const float *bias,
+                 const int32_t *table, const int32_t *lengths, int BH, int G, int D, int P, int NP, int chunk,
+                 int threads, float *scratch, float *out, float *lse) {
+    const int C = (NP + chunk - 1) / chunk;
+    float *m_out = scratch, *l_out = scratch + (int64_t)BH * C * G, *o_out = scratch + 2 * (int64_t)BH * C * G;
+#define ATTEND_D(k, v, d, kg, vg) attend_body(q, qsum, kc, km, kW, kg, k, vc, vm, vW, vg, v, bias, table, lengths, \
+                                              BH, G, d, P, NP, chunk, threads, m_out, l_out, o_out)
+    /* common head dims as constants with the groups the shipped formats have (8 bits: 64 channels, fewer: 32), so
+       the products over a row unroll; other dims and groups as they come */
+#define GROUPS(k, d) ((k) == 8 ? (d) / 64 : (k) >= 2 && (k) <= 4 ? (d) / 32 : 1)
+#define SHIPPED(k, d, g) ((k) < 2 || (k) > 8 || (g) == GROUPS(k, d))
+#define ATTEND(k, v) (D == 64 && SHIPPED(k, 64, kgroups) && SHIPPED(v, 64, vgroups)                                     \
+                          ? ATTEND_D(k, v, 64, GROUPS(k, 64), GROUPS(v, 64))                                              \
+                      : D == 128 && SHIPPED(k, 128, kgroups) && SHIPPED(v, 128, vgroups)                                  \
+                          ? ATTEND_D(k, v, 128, GROUPS(k, 128), GROUPS(v, 128))                                           \
+                          : ATTEND_D(k, v, D, kgroups, vgroups))
+    /* one copy per pair of kinds a format has, so the unpacking is compiled for constants */
+    if (kkind == FP32 && vkind == FP32) ATTEND(FP32, FP32);
+    else if (kkind == 8 && vkind == 8) ATTEND(8, 8);
+    else if (kkind == 4 && vkind == 4) ATTEND(4, 4);
+    else if (kkind == 3 && vkind == 3) ATTEND(3, 3);
+    else if (kkind == 2 && vkind == 2) ATTEND(2, 2);
+    else if (kkind == FP8 && vkind == FP8) ATTEND(FP8, FP8);
+    else if (kkind == -4 && vkind == 4) ATTEND(-4, 4);
+    else if (kkind == -2 && vkind == 2) ATTEND(-2, 2);
+#undef ATTEND
+#undef ATTEND_D
+#undef GROUPS
+#undef SHIPPED
+    merge_chunks(m_out, l_out, o_out, BH, G, D, C, threads, out, lse);
+}

@@ -1,0 +1,143 @@
+"""The CPU decode over integer pages, and over ragged fp32 heads, as native code (``cpu_decode.c``): built once per
+machine with the system's C compiler, loaded with ctypes (no Python extension, no pickled code), and called by
+``FormatPages`` and ``reference.paged_attention`` for a decode step. Where no compiler is found, or with ``KVCOMPILE_DECODE_BACKEND=reference``, the PyTorch path serves instead
+(the same attention, summed in another order).
+
+The build goes to ``$KVCOMPILE_CACHE/native`` (default ``~/.cache/kvcompile/native``), one small library per source
+version and CPU (it is compiled for the machine it runs on)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .formats import Fp8Codec
+from .integer import ChannelCodec, IntCodec
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+MAX_HEAD_DIM = 512  # the row buffer in cpu_decode.c
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
+CHUNK = 64  # the most pages a thread reads into one running softmax (a chunk: the unit of work)
+PAIRS = {(32, 32), (8, 8), (4, 4), (3, 3), (2, 2), (0, 0), (-4, 4), (-2, 2)}  # (key kind, value kind): pool_attend
+
+
+def enabled() -> bool:
+    """Built, and not switched off: ``KVCOMPILE_DECODE_BACKEND=reference`` asks for the PyTorch decode alone."""
+    return os.environ.get("KVCOMPILE_DECODE_BACKEND", "auto") != "reference" and library() is not None
+
+
+def kind(codec, codes: Tensor, meta: Tensor | None) -> int | None:
+    """How ``cpu_decode.c`` reads a pool's rows (its ``kind``), or None where it does not read them."""
+    if codec is None:
+        return 32 if codes.dtype == torch.float32 else None
+    half = meta is not None and meta.dtype == torch.float16
+    if type(codec) is IntCodec and half:
+        return codec.bits
+    if type(codec) is ChannelCodec and codec.bits in (2, 4) and half:
+        return -codec.bits
+    return 0 if type(codec) is Fp8Codec and meta is not None and meta.dtype == torch.float32 else None
+
+
+def serves(q: Tensor, keys: tuple, values: tuple) -> bool:
+    """Whether the native decode reads these pools for q [B, Hkv, G, D] on the CPU. ``keys``, ``values``: (codec,
+    codes [N, P, W], meta) of each, codec None for fp32 pages (meta None). Served: fp32 pages, integer rows
+    (``IntCodec``, groups of a multiple of 16 channels), float8 rows, KIVI's per-channel keys with integer
+    values; up to 8 query rows per KV head and 256 rows a page."""
+    (kc, k, km), (vc, v, vm) = keys, values
+    kinds = (kind(kc, k, km), kind(vc, v, vm))
+    if kinds not in PAIRS or not enabled():
+        return False
+    D = q.shape[-1]
+    groups = [meta.shape[-1] // 2 if 0 < x < 32 else 1 for x, meta in zip(kinds, (km, vm))]
+    return (q.device.type == k.device.type == v.device.type == "cpu" and D <= MAX_HEAD_DIM and D % 16 == 0
+            and all((D // n) % 16 == 0 for n in groups) and q.shape[-2] <= 8 and k.shape[1] <= 256)
+
+
+def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor,
+           bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Softmax attention of q [B, Hkv, G, D] (scaled already) over each head's rows of the pools (``serves``), in
+    place and one pass: the output [B, Hkv, G, D] fp32 and its log-sum-exp [B, Hkv, G] (an empty head: 0 and -inf).
+    ``bias`` [N, P]: added to each row's score (log-weights)."""
+    B, Hkv, G, D = q.shape
+    (kc, k, km), (vc, v, vm) = keys, values
+    kk, vk = kind(kc, k, km), kind(vc, v, vm)
+    k_groups = km.shape[-1] // 2 if 0 < kk < 32 else 1
+    v_groups = vm.shape[-1] // 2 if 0 < vk < 32 else 1
+    q = q.float().contiguous()
+    qsum = q.unflatten(-1, (k_groups, -1)).sum(-1).contiguous() if 0 < kk < 32 else q
+    NP = table.shape[-1]
+    chunk = max(4, min(CHUNK, NP * B * Hkv // (8 * torch.get_num_threads())))  # >= 8 chunks a thread where possible
+    chunks = max(1, -(-NP // chunk))
+    scratch, out, lse = q.new_empty(B * Hkv * chunks * G * (D + 2)), q.new_empty(B, Hkv, G, D), q.new_empty(B, Hkv, G)
+    empty = k.new_zeros(1)
+    held = (k.contiguous(), (empty if km is None else km).contiguous(), v.contiguous(),
+            (empty if vm is None else vm).contiguous(), None if bias is None else bias.float().contiguous(),
+            table.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous())
+    library().pool_attend(
+        _ptr(q), _ptr(qsum), _ptr(held[0]), _ptr(held[1]), k.shape[-1] * k.element_size(), k_groups, kk,
+        _ptr(held[2]), _ptr(held[3]), v.shape[-1] * v.element_size(), v_groups, vk,
+        None if held[4] is None else _ptr(held[4]), _ptr(held[5]), _ptr(held[6]), B * Hkv, G, D, k.shape[1], NP,
+        chunk, torch.get_num_threads(), _ptr(scratch), _ptr(out), _ptr(lse))
+    return out, lse
+
+
+def decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, lengths: Tensor, scale: float,
+           log_weights: Tensor | None = None) -> Tensor:
+    """A decode step [B, Hq, 1, D] over fp32 pages, each head read in place only as far as it holds (ragged heads
+    cost what they hold, with no gather); ``log_weights`` as ``reference.paged_attention`` takes them."""
+    B, Hq, _, D = q.shape
+    qg = q.float().reshape(B, page_table.shape[1], -1, D) * scale
+    bias = log_weights if log_weights is not None and log_weights.shape[0] > 0 else None
+    out, _ = attend(qg, (None, k_pages, None), (None, v_pages, None), page_table, lengths, bias)
+    return out.view(B, Hq, 1, D).to(q.dtype)
+
+
+def _ptr(t: Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled library, built on first use (None where it cannot be built: the PyTorch path serves)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("KVCOMPILE_CACHE", Path.home() / ".cache" / "kvcompile")) / "native"
+    path = root / f"cpu_decode-{key}.so"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=root) as tmp:  # built aside, then renamed: a reader never sees half
+            built = Path(tmp) / path.name
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            if result.returncode != 0:
+                warnings.warn(f"kvcompile: the native CPU decode did not build ({compiler}); the PyTorch path serves "
+                              f"integer pages instead:\n{result.stderr[-2000:]}", stacklevel=2)
+                return None
+            os.replace(built, path)
+    lib = ctypes.CDLL(str(path))
+    for fn in (lib.pool_attend,):
+        fn.restype = None
+    return lib
+
+
+def _cpu_identity() -> str:
+    """What the build depends on besides its source: the machine and its instruction set (``-march=native``)."""
+    flags = ""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"

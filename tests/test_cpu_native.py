@@ -1,0 +1,133 @@
+"""The native CPU decode (``kernels.cpu_native``) against plain softmax attention over the decoded rows, on fresh
+random pools of every format it reads and on ragged fp32 heads, and through the public API with the native path
+switched off (``KVCOMPILE_DECODE_BACKEND=reference``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcompile
+from conftest import left_padded_batch
+from kvcompile.kernels import cpu_native
+from kvcompile.kernels.formats import FORMATS, encode_pool
+from kvcompile.kernels.paging import gather_pages
+
+pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: the PyTorch path serves")
+
+FORMAT_NAMES = ["int8", "int4", "int3", "int2", "fp8", "kivi2", "kivi4"]
+
+
+def fresh_seed() -> int:
+    seed = torch.seed() % 2**31
+    print(f"seed {seed}")
+    return seed
+
+
+def random_pool(name: str, D: int, P: int, lengths: list[int], g: torch.Generator):
+    """A format pool holding heads of the given lengths on shuffled pages (page 0 unused), with an outlier
+    channel; page-table columns past a head's pages name page 0."""
+    widths = [-(-n // P) for n in lengths]
+    n_pages = 1 + sum(widths)
+    k, v = torch.randn(n_pages, P, D, generator=g), torch.randn(n_pages, P, D, generator=g)
+    k[..., 3] *= 30
+    order = 1 + torch.randperm(n_pages - 1, generator=g)
+    table = torch.zeros(len(lengths), max(widths + [1]), dtype=torch.int32)
+    start = 0
+    for i, w in enumerate(widths):
+        table[i, :w] = order[start : start + w]
+        start += w
+    f = FORMATS[name]
+    return f, (*encode_pool(f.key, k), *encode_pool(f.value, v)), table, torch.tensor(lengths, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("D,G,P", [(64, 3, 16), (128, 4, 16), (16, 1, 1), (32, 8, 4)])
+def test_native_attention_equals_softmax_over_the_decoded_rows(name, D, G, P):
+    """One pass over the pool, each head as far as it holds (head lengths 1, P, P + 1, empty, ragged), against
+    softmax attention over the rows decoded by the codecs: output and log-sum-exp."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, P, P + 1, 0, 5 * P + 3, 37]
+    f, (kc, km, vc, vm), table, lens = random_pool(name, D, P, lengths, g)
+    B, Hkv = 2, 3
+    table, lens = table.view(B, Hkv, -1), lens.view(B, Hkv)
+    keys, values = (f.key, kc, km), (f.value, vc, vm)
+    q = torch.randn(B, Hkv, G, D, generator=g) * D**-0.5
+    assert cpu_native.serves(q, keys, values), f"{name}: the native path should serve"
+    got, got_lse = cpu_native.attend(q, keys, values, table, lens)
+    K = f.key.decode(gather_pages(kc, table), gather_pages(km, table), torch.float32)
+    V = f.value.decode(gather_pages(vc, table), gather_pages(vm, table), torch.float32)
+    held = torch.arange(K.shape[2]) < lens.unsqueeze(-1)
+    logits = (q @ K.transpose(-1, -2)).masked_fill(~held[:, :, None], float("-inf"))
+    want = torch.softmax(logits, -1).nan_to_num(0.0) @ V
+    # fp32 sums in another order: errors relative to the sums of absolute products (keys have an outlier channel)
+    score_scale = float((q.abs() @ K.abs().transpose(-1, -2)).max())
+    torch.testing.assert_close(got, want, atol=1e-6 * float(V.abs().max()) * max(1.0, score_scale), rtol=1e-5,
+                               msg=lambda m: f"seed {seed}: output: {m}")
+    torch.testing.assert_close(got_lse, torch.logsumexp(logits, -1), atol=1e-5 * (score_scale + 1), rtol=1e-5,
+                               msg=lambda m: f"seed {seed}: log-sum-exp: {m}")
+
+
+@pytest.mark.parametrize("recipe", ["full", "full+int8", "snapkv+int4", "adakv+snapkv+int2", "adakv-snapkv", "kivi2"])
+def test_decode_is_the_same_with_the_native_path_switched_off(llama_cm, recipe, monkeypatch):
+    ids, mask = left_padded_batch([180, 147], total=180, seed=5)  # past kivi2's 128 recent tokens
+    budget = 1.0 if recipe in ("full", "full+int8", "kivi2") else 0.5
+    calls, native_attend = [], cpu_native.attend
+    monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
+    logits = []
+    for backend in ("auto", "reference"):
+        monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
+        cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)
+        nxt = cm.prefill(ids, mask)[:, -1:].argmax(-1)
+        logits.append(torch.cat([cm.decode(nxt), cm.decode(nxt)], 1))
+        assert bool(calls) == (backend == "auto"), "the backend switches the native path on and off"
+        calls.clear()
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_compiler_that_fails_leaves_the_pytorch_path(tmp_path, monkeypatch):
+    """No library is built (and a warning names why) when the compiler fails; the next call with a working
+    compiler builds into the cache folder and reuses that build."""
+    monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    cpu_native.library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build"):
+            assert cpu_native.library() is None
+        assert not cpu_native.enabled()
+        monkeypatch.delenv("CC")
+        cpu_native.library.cache_clear()
+        assert cpu_native.library() is not None
+        assert len(list((tmp_path / "native").glob("cpu_decode-*.so"))) == 1
+    finally:
+        monkeypatch.undo()
+        cpu_native.library.cache_clear()
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_native_ragged_fp32_decode_equals_the_gathering_path(weighted, monkeypatch):
+    """fp32 heads of different lengths (an empty one among them) read in place as far as each holds, with and
+    without log-weights, against the decode that gathers them (the native path switched off)."""
+    from kvcompile.kernels import reference
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    B, Hkv, G, D, P = 2, 3, 3, 32, 4
+    lengths = torch.tensor([[1, 4, 5], [0, 23, 9]], dtype=torch.int32)
+    widths = (lengths + P - 1) // P
+    n_pages = 1 + int(widths.sum())
+    k, v = torch.randn(n_pages, P, D, generator=g), torch.randn(n_pages, P, D, generator=g)
+    order = (1 + torch.randperm(n_pages - 1, generator=g)).tolist()
+    table = torch.zeros(B, Hkv, int(widths.max()), dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            table[b, h, : widths[b, h]] = torch.tensor([order.pop() for _ in range(widths[b, h])], dtype=torch.int32)
+    lw = torch.randn(n_pages, P, generator=g).clamp_min(0) if weighted else None
+    q, pos = torch.randn(B, Hkv * G, 1, D, generator=g), torch.zeros(n_pages, P, dtype=torch.int32)
+    q_pos = torch.full((B, 1), 100)
+    got = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.2, log_weights=lw)
+    monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", "reference")
+    want = reference.paged_attention(q, q_pos, k, v, pos, table, lengths, 0.2, log_weights=lw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"seed {seed}: {m}")
+    assert float(got[1, :G].abs().max()) == 0.0, "an empty head attends to nothing"
