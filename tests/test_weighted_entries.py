@@ -67,7 +67,8 @@ def test_scorers_see_an_entry_of_weight_n_draw_the_attention_of_n_tokens(seed):
     repeated tokens draw together, and leaves the other entries' attention as it was."""
     B, Hkv, G, S, W, D = 1, 2, 2, 6, 3, 8
     keys, values, n = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D), torch.randint(1, 5, (S,))
-    queries, q_pos = torch.randn(B, Hkv * G, W, D), torch.arange(20, 20 + W)[None]
+    # after every key even when repeated (up to 4 * S positions), so both sides see every key
+    queries, q_pos = torch.randn(B, Hkv * G, W, D), torch.arange(4 * S, 4 * S + W)[None]
 
     def observation(k, v, log_weights=None):
         S = k.shape[2]
