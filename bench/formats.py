@@ -207,22 +207,19 @@ def kernel_speed(context: int, rounds: int) -> dict:
     (``kernels.cpu_native``), by the PyTorch two-pass decode (``reference.stored_decode`` with the native path off)
     and by the tile-by-tile merged attention (``reference.merged_attention``); median of ``rounds`` interleaved
     calls."""
-    import os
     import statistics
     import time
 
     import torch
+    from decode import decode_backend
 
     from kvcompile.kernels import reference
     from kvcompile.kernels.formats import encode_pool
 
     def pytorch_only(call):
         def run():
-            os.environ["KVCOMPILE_DECODE_BACKEND"] = "reference"
-            try:
+            with decode_backend("reference"):
                 return call()
-            finally:
-                os.environ.pop("KVCOMPILE_DECODE_BACKEND")
         return run
 
     g = torch.Generator().manual_seed(0)

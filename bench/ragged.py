@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 from pathlib import Path
@@ -42,17 +41,6 @@ def pages_read(cm) -> dict:
     return out
 
 
-def on_reference(step):
-    """``step`` with the native decode off: the PyTorch reference (length classes for ragged heads)."""
-    def run():
-        os.environ["KVCOMPILE_DECODE_BACKEND"] = "reference"
-        try:
-            step()
-        finally:
-            os.environ.pop("KVCOMPILE_DECODE_BACKEND")
-    return run
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[4096])
@@ -77,8 +65,7 @@ def main():
                 row[f"{name}_bytes_held"] = cm.cache_stats()["bytes_held"]
                 row[f"{name}_pages"] = pages_read(cm)
                 steps_of[name], reserve[name] = kv_steps(cm, token, room)
-            for name in ("uniform", "adakv"):
-                steps_of[f"{name}_reference"], reserve[f"{name}_reference"] = on_reference(steps_of[name]), reserve[name]
+                steps_of[f"{name}_reference"], reserve[f"{name}_reference"] = kv_steps(cm, token, room, "reference")
             for name, times in interleaved(steps_of, args.rounds, args.steps).items():
                 row[f"{name}_decode_ms"] = statistics.median([(t + reserve[name]) * 1e3 for t in times])
             rows.append(row)

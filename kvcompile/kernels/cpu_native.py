@@ -1,7 +1,7 @@
-"""The CPU decode over integer pages, and over ragged fp32 heads, as native code (``cpu_decode.c``): built once per
-machine with the system's C compiler, loaded with ctypes (no Python extension, no pickled code), and called by
-``FormatPages`` and ``reference.paged_attention`` for a decode step. Where no compiler is found, or with ``KVCOMPILE_DECODE_BACKEND=reference``, the PyTorch path serves instead
-(the same attention, summed in another order).
+"""The CPU decode step over fp32 and format pages as native code (``cpu_decode.c``): built once per machine with the
+system's C compiler, loaded with ctypes (no Python extension, no pickled code), and called by ``FormatPages`` and
+``reference.paged_attention``. Where no compiler is found, or with ``KVCOMPILE_DECODE_BACKEND=reference``, the
+PyTorch decode serves instead (the same attention, summed in another order).
 
 The build goes to ``$KVCOMPILE_CACHE/native`` (default ``~/.cache/kvcompile/native``), one small library per source
 version and CPU (it is compiled for the machine it runs on)."""
@@ -49,19 +49,25 @@ def kind(codec, codes: Tensor, meta: Tensor | None) -> int | None:
     return 0 if type(codec) is Fp8Codec and meta is not None and meta.dtype == torch.float32 else None
 
 
+def _plan(q: Tensor, keys: tuple, values: tuple) -> tuple[int, int, int, int] | None:
+    """(key kind, value kind, key groups, value groups) where the native decode reads these pools, else None."""
+    (kc, k, km), (vc, v, vm) = keys, values
+    kinds = (kind(kc, k, km), kind(vc, v, vm))
+    if kinds not in PAIRS or not enabled():
+        return None
+    D = q.shape[-1]
+    groups = tuple(meta.shape[-1] // 2 if 0 < x < 32 else 1 for x, meta in zip(kinds, (km, vm)))
+    fits = (q.device.type == k.device.type == v.device.type == "cpu" and D <= MAX_HEAD_DIM and D % 16 == 0
+            and all((D // n) % 16 == 0 for n in groups) and q.shape[-2] <= 8 and k.shape[1] <= 256)
+    return (*kinds, *groups) if fits else None
+
+
 def serves(q: Tensor, keys: tuple, values: tuple) -> bool:
     """Whether the native decode reads these pools for q [B, Hkv, G, D] on the CPU. ``keys``, ``values``: (codec,
     codes [N, P, W], meta) of each, codec None for fp32 pages (meta None). Served: fp32 pages, integer rows
     (``IntCodec``, groups of a multiple of 16 channels), float8 rows, KIVI's per-channel keys with integer
     values; up to 8 query rows per KV head and 256 rows a page."""
-    (kc, k, km), (vc, v, vm) = keys, values
-    kinds = (kind(kc, k, km), kind(vc, v, vm))
-    if kinds not in PAIRS or not enabled():
-        return False
-    D = q.shape[-1]
-    groups = [meta.shape[-1] // 2 if 0 < x < 32 else 1 for x, meta in zip(kinds, (km, vm))]
-    return (q.device.type == k.device.type == v.device.type == "cpu" and D <= MAX_HEAD_DIM and D % 16 == 0
-            and all((D // n) % 16 == 0 for n in groups) and q.shape[-2] <= 8 and k.shape[1] <= 256)
+    return _plan(q, keys, values) is not None
 
 
 def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor,
@@ -70,12 +76,10 @@ def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor
     place and one pass: the output [B, Hkv, G, D] fp32 and its log-sum-exp [B, Hkv, G] (an empty head: 0 and -inf).
     ``bias`` [N, P]: added to each row's score (log-weights)."""
     B, Hkv, G, D = q.shape
-    (kc, k, km), (vc, v, vm) = keys, values
-    kk, vk = kind(kc, k, km), kind(vc, v, vm)
-    k_groups = km.shape[-1] // 2 if 0 < kk < 32 else 1
-    v_groups = vm.shape[-1] // 2 if 0 < vk < 32 else 1
+    (_, k, km), (_, v, vm) = keys, values
+    kk, vk, k_groups, v_groups = _plan(q, keys, values)
     q = q.float().contiguous()
-    qsum = q.unflatten(-1, (k_groups, -1)).sum(-1).contiguous() if 0 < kk < 32 else q
+    qsum = q.unflatten(-1, (k_groups, -1)).sum(-1).contiguous() if 0 < kk < 32 else q  # integer keys only
     NP = table.shape[-1]
     chunk = max(4, min(CHUNK, NP * B * Hkv // (8 * torch.get_num_threads())))  # >= 8 chunks a thread where possible
     chunks = max(1, -(-NP // chunk))
@@ -123,13 +127,12 @@ def library() -> ctypes.CDLL | None:
             built = Path(tmp) / path.name
             result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
             if result.returncode != 0:
-                warnings.warn(f"kvcompile: the native CPU decode did not build ({compiler}); the PyTorch path serves "
-                              f"integer pages instead:\n{result.stderr[-2000:]}", stacklevel=2)
+                warnings.warn(f"kvcompile: the native CPU decode did not build ({compiler}); the PyTorch decode "
+                              f"serves instead:\n{result.stderr[-2000:]}", stacklevel=2)
                 return None
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))
-    for fn in (lib.pool_attend,):
-        fn.restype = None
+    lib.pool_attend.restype = None
     return lib
 
 

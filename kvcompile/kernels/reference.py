@@ -180,8 +180,9 @@ def stored_decode(q, dense, stored: FormatPages, scale: float, tile_tokens: int 
         out, lse = native
         if S0 > 0:
             logits = torch.matmul(qg, keys.float().transpose(-1, -2)).masked_fill(~valid[:, :, None], float("-inf"))
-            dense_out = torch.matmul(torch.softmax(logits, -1).nan_to_num(0.0), values.float())
-            out, _ = _merge(out, lse, dense_out, torch.logsumexp(logits, -1))
+            dense_lse = torch.logsumexp(logits, -1)
+            dense_out = torch.matmul(torch.exp(logits - dense_lse[..., None]).nan_to_num(0.0), values.float())
+            out, _ = _merge(out, lse, dense_out, dense_lse)
         return out.view(B, Hq, 1, D).to(q.dtype)
     step = max(1, tile_tokens // P)
     tiles = [slice(s, s + step) for s in range(0, stored.table.shape[-1], step)]
