@@ -32,8 +32,9 @@ from .recipes import Recipe
 from .signature import INPUTS
 from .spec import ModelSpec
 
-_FORMAT = 5  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
-# 4: decode over the format pool calls the opaque op kvcompile::format_attention; 5: the log-weight channel is an input
+_FORMAT = 6  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
+# 4: decode over the format pool calls the opaque op kvcompile::format_attention; 5: the log-weight channel is an input;
+# 6: a CPU decode over fp32 pages calls the opaque op kvcompile::native_decode
 _NAMES = ("prefill", "prefill_last", "decode")
 MOMENTS = "latent_moments.safetensors"
 _SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}

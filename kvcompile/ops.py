@@ -29,7 +29,7 @@ import os
 import torch
 from torch import Tensor
 
-from .kernels import reference
+from .kernels import cpu_native, reference
 
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
 EAGER_BODIES: dict = {}  # an attention op's overload -> the Python function it runs: what eager programs call
@@ -137,6 +137,9 @@ def _attend(
     first_page = 1 + layer * page_table[layer].numel() if packed else None  # PagedKVCache.packed's layout
     if not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
         return format_attention(*args, *stored, -1 if first_page is None else first_page)
+    if backend == "auto" and window == 0 and torch.compiler.is_compiling() and cpu_native.serves(
+            q.view(q.shape[0], page_table.shape[2], -1, q.shape[-1]), (None, k_pages, None), (None, v_pages, None)):
+        return native_decode(*args[:7], page_lw, scale)
     return reference.paged_attention(*args, first_page=first_page, log_weights=page_lw).contiguous()
 
 
@@ -169,6 +172,34 @@ def format_attention(
 @format_attention.register_fake
 def _(q, *args):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("kvcompile::native_decode", mutates_args=())
+def native_decode(q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor,
+                  lengths: Tensor, page_lw: Tensor, scale: float) -> Tensor:
+    """A traced CPU decode step over fp32 pages without a window, as one call to the native decode
+    (``kernels.cpu_native``: each head read in place as far as it holds), where Inductor would otherwise compile
+    the reference's gather over the page table's whole width. Opaque, as ``format_attention``; the PyTorch decode
+    serves where the native one is switched off when the step runs."""
+    return reference.paged_attention(q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, scale,
+                                     log_weights=page_lw).contiguous()
+
+
+@native_decode.register_fake
+def _(q, *args):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("kvcompile::native_linear", mutates_args=())
+def native_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """A traced one-row projection x [1, I] @ weight.T as one call to the native projection
+    (``passes.streamed_linear``); PyTorch's where the native one is switched off when the step runs."""
+    return cpu_native.linear(x, weight) if cpu_native.serves_linear(x, weight) else x @ weight.t()
+
+
+@native_linear.register_fake
+def _(x, weight):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):

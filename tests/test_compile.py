@@ -33,13 +33,15 @@ def test_compiled_decode_compiles_once_and_matches_eager(llama_cm, recipe, budge
         assert len(set(compiled.cache.lengths.flatten().tolist())) > 1, "per-head lengths differ while decoding"
 
 
-def test_compile_traces_into_the_decode_op(llama_cm):
+def test_compile_traces_into_the_decode_op(llama_cm, monkeypatch):
     """The decode ops are triton_ops: AOT tracing decomposes them into the ops of their body (the Triton kernel on
     CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node. The
-    packed decode reads the pool as a slice, the other gathers pages (index_select)."""
+    packed decode reads the pool as a slice, the other gathers pages (index_select). (The reference backend: by
+    default the CPU body calls the native decode, one opaque op, ``test_cpu_native``.)"""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
+    monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", "reference")
     torch._dynamo.reset()
     graphs = []
 

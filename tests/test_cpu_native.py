@@ -1,6 +1,6 @@
 """The native CPU decode (``kernels.cpu_native``) against plain softmax attention over the decoded rows, on fresh
-random pools of every format it reads and on ragged fp32 heads, and through the public API with the native path
-switched off (``KVCOMPILE_DECODE_BACKEND=reference``)."""
+random pools of every format it reads and on ragged fp32 heads, its one-row projection against ``F.linear``, and
+both through the public API with the native path switched off (``KVCOMPILE_DECODE_BACKEND=reference``)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,56 @@ def test_decode_is_the_same_with_the_native_path_switched_off(llama_cm, recipe, 
         assert bool(calls) == (backend == "auto"), "the backend switches the native path on and off"
         calls.clear()
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("recipe", ["full", "adakv-snapkv"])
+def test_a_compiled_decode_calls_the_native_decode(llama_cm, recipe, monkeypatch):
+    """Compiled, the fp32 decode step is one opaque call to the native decode (``ops.native_decode``), with the
+    logits of the eager PyTorch decode."""
+    ids, mask = left_padded_batch([60, 47], total=60, seed=6)
+    budget = 1.0 if recipe == "full" else 0.5
+    calls, native_attend = [], cpu_native.attend
+    monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
+    logits = []
+    for backend, compiled in (("reference", False), ("auto", True)):
+        monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
+        cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4, compile=compiled)
+        nxt = cm.prefill(ids, mask)[:, -1:].argmax(-1)
+        calls.clear()
+        logits.append(torch.cat([cm.decode(nxt), cm.decode(nxt)], 1))
+        assert bool(calls) == compiled, "the compiled decode step calls the native decode"
+    torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("I,O", [(576, 1536), (1536, 577), (64, 7), (16, 1), (32, 49157)])
+def test_native_linear_equals_linear(I, O):
+    """The one-row projection against ``F.linear`` on fresh random rows, weight rows past a multiple of 8 included;
+    fp32 sums in another order: errors relative to the sums of absolute products."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    x, w = torch.randn(1, I, generator=g), torch.randn(O, I, generator=g)
+    w[:, 5] *= 40  # an outlier channel
+    assert cpu_native.serves_linear(x, w)
+    got, want = cpu_native.linear(x, w), torch.nn.functional.linear(x, w)
+    torch.testing.assert_close(got, want, atol=2e-7 * float((x.abs() @ w.abs().t()).max()), rtol=1e-6)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_batch_one_decode_projects_with_the_native_linear(llama_cm, compiled, monkeypatch):
+    """A batch-1 decode step runs its projections on the native one-row projection (eager, and compiled through
+    ``ops.native_linear``), with the logits of the PyTorch path; a batch of two does not call it."""
+    calls, native_linear = [], cpu_native.linear
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: calls.append(1) or native_linear(*a))
+    ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(fresh_seed()))
+    for rows in (1, 2):
+        logits = []
+        for backend in ("reference", "auto"):
+            monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
+            cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", compile=compiled and backend == "auto")
+            nxt = cm.prefill(ids[:rows])[:, -1:].argmax(-1)
+            calls.clear()
+            logits.append(cm.decode(nxt))
+            assert bool(calls) == (backend == "auto" and rows == 1), (backend, rows)
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 
 def test_a_compiler_that_fails_leaves_the_pytorch_path(tmp_path, monkeypatch):

@@ -17,32 +17,13 @@
    Built and loaded by ``cpu_native.py``; the PyTorch decode (``reference.stored_decode``, the gathering decode) is
    the reference it is tested against. */
 
-#include <stdint.h>
-#include <string.h>
+#include "cpu_lanes.h"
 
 typedef _Float16 half;
-typedef float lanes __attribute__((vector_size(64))); /* 16 floats; split by the compiler where registers are narrower */
-typedef float lanes8 __attribute__((vector_size(32)));
-typedef float lanes4 __attribute__((vector_size(16)));
 
-#define INLINE static inline __attribute__((always_inline))
 #define MAX_D 512
 #define FP8 0
 #define FP32 32
-
-INLINE lanes load(const float *p) {
-    lanes v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* The sum of 16 lanes as a tree of halves (a plain loop would add them one after another: strict float order). */
-INLINE float sum_lanes(lanes a) {
-    lanes8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-    lanes4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
 
 /* q . x over n channels (a multiple of 16), two chains of 16 partial sums. */
 INLINE float dot(const float *restrict q, const float *restrict x, int n) {

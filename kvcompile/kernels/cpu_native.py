@@ -1,7 +1,8 @@
-"""The CPU decode step over fp32 and format pages as native code (``cpu_decode.c``): built once per machine with the
-system's C compiler, loaded with ctypes (no Python extension, no pickled code), and called by ``FormatPages`` and
-``reference.paged_attention``. Where no compiler is found, or with ``KVCOMPILE_DECODE_BACKEND=reference``, the
-PyTorch decode serves instead (the same attention, summed in another order).
+"""The CPU decode step as native code: attention over fp32 and format pages (``cpu_decode.c``, called by
+``FormatPages`` and ``reference.paged_attention``) and the projections of a single row (``cpu_linear.c``, called by
+``passes.streamed_linear``). Built once per machine with the system's C compiler, loaded with ctypes (no Python
+extension, no pickled code). Where no compiler is found, or with ``KVCOMPILE_DECODE_BACKEND=reference``, PyTorch
+serves instead (the same products, summed in another order).
 
 The build goes to ``$KVCOMPILE_CACHE/native`` (default ``~/.cache/kvcompile/native``), one small library per source
 version and CPU (it is compiled for the machine it runs on)."""
@@ -25,13 +26,15 @@ from torch import Tensor
 from .formats import Fp8Codec
 from .integer import ChannelCodec, IntCodec
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c"))
+HEADERS = (Path(__file__).with_name("cpu_lanes.h"),)  # what both include: part of the build's key
 MAX_HEAD_DIM = 512  # the row buffer in cpu_decode.c
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
 CHUNK = 64  # the most pages a thread reads into one running softmax (a chunk: the unit of work)
 PAIRS = {(32, 32), (8, 8), (4, 4), (3, 3), (2, 2), (0, 0), (-4, 4), (-2, 2)}  # (key kind, value kind): pool_attend
 
 
+@torch.compiler.assume_constant_result  # a traced step reads it once; the native ops check again when they run
 def enabled() -> bool:
     """Built, and not switched off: ``KVCOMPILE_DECODE_BACKEND=reference`` asks for the PyTorch decode alone."""
     return os.environ.get("KVCOMPILE_DECODE_BACKEND", "auto") != "reference" and library() is not None
@@ -107,6 +110,21 @@ def decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, leng
     return out.view(B, Hq, 1, D).to(q.dtype)
 
 
+def serves_linear(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``linear`` projects x [1, I] through weight [O, I]: fp32 on the CPU, I a multiple of 16."""
+    return (x.dim() == weight.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype == torch.float32
+            and x.device.type == weight.device.type == "cpu" and x.shape[1] % 16 == 0 and weight.is_contiguous()
+            and enabled())
+
+
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    """x [1, I] @ weight.T -> [1, O] (``serves_linear``), the weight read once by every thread's run of rows."""
+    x, (O, I) = x.contiguous(), weight.shape
+    out = x.new_empty(1, O)
+    library().row_linear(_ptr(x), _ptr(weight), I, O, torch.get_num_threads(), _ptr(out))
+    return out
+
+
 def _ptr(t: Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
@@ -117,7 +135,7 @@ def library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     key = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
     root = Path(os.environ.get("KVCOMPILE_CACHE", Path.home() / ".cache" / "kvcompile")) / "native"
     path = root / f"cpu_decode-{key}.so"
@@ -125,14 +143,15 @@ def library() -> ctypes.CDLL | None:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root) as tmp:  # built aside, then renamed: a reader never sees half
             built = Path(tmp) / path.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
+                                    text=True)
             if result.returncode != 0:
-                warnings.warn(f"kvcompile: the native CPU decode did not build ({compiler}); the PyTorch decode "
+                warnings.warn(f"kvcompile: the native CPU decode did not build ({compiler}); PyTorch "
                               f"serves instead:\n{result.stderr[-2000:]}", stacklevel=2)
                 return None
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))
-    lib.pool_attend.restype = None
+    lib.pool_attend.restype = lib.row_linear.restype = None
     return lib
 
 

@@ -1,10 +1,12 @@
-"""Decode's projections as weight-times-activations products, the form a CPU GEMM streams the weight in."""
+"""Decode's projections in the forms that read a weight at the memory's speed on the CPU: weight-times-activations
+products for a few rows, the native one-row projection (``kernels.cpu_native``) for one."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor, fx
 
+from ..kernels import cpu_native, ragged
 from .base import GraphPass
 
 aten = torch.ops.aten
@@ -18,9 +20,15 @@ def streamed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     the project's 2-core machine with cold weights, batch 4: all of SmolLM2's layer projections 135 ms as
     ``linear``, 52 ms in this form; its 49152-row vocabulary projection 47 ms against 12 ms); with one row both
     forms cost the same. ``x^T`` must stay a transposed view: made contiguous, it loses the gain.
+
+    One row (a batch-1 decode) both forms read at about a third of the bandwidth, so it goes to the native
+    projection (``cpu_native.linear``; through the opaque ``ops.native_linear`` when traced) where it serves.
     """
     rows = x.reshape(-1, x.shape[-1])
-    out = torch.mm(weight, rows.t()).t()
+    if cpu_native.serves_linear(rows, weight):
+        out = cpu_native.linear(rows, weight) if ragged.concrete(rows) else torch.ops.kvcompile.native_linear(rows, weight)
+    else:
+        out = torch.mm(weight, rows.t()).t()
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
