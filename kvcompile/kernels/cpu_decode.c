@@ -172,6 +172,12 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
                 const int rows = lengths[bh] - pg * P < P ? lengths[bh] - pg * P : P;
                 if (rows <= 0) break;
                 const int64_t page = table[(int64_t)bh * NP + pg];
+                if (pg + 1 < NP && (pg + 1) * P < lengths[bh]) { /* the next page's rows, fetched while this one is
+                    read: pages lie anywhere in the pool, where the hardware's prefetcher does not follow */
+                    const int64_t next = table[(int64_t)bh * NP + pg + 1];
+                    for (int64_t at = 0; at < (int64_t)P * kW; at += 64) __builtin_prefetch(kc + next * P * kW + at);
+                    for (int64_t at = 0; at < (int64_t)P * vW; at += 64) __builtin_prefetch(vc + next * P * vW + at);
+                }
                 for (int r = 0; r < Pv; ++r) held[r] = r < rows ? 1.0f : 0.0f;
                 for (int g = 0; g < G; ++g) /* rows past the length: finite after exp_lanes, then weighed 0 */
                     for (int r = rows; r < Pv; ++r) w[g * Pv + r] = -__builtin_inff();
