@@ -17,7 +17,8 @@ already 0: ``cache.weights``);
 obs_q the ring's queries [L, B, Hq, C, D]; fmt_* the format pool, read only (``cache.formatted``: its format is
 read from its tensors, so one program serves every format). Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
 implementation (CPU, and the oracle in tests); on CUDA the decode attention and the compaction run the Triton
-kernels of ``kvcompile.kernels``.
+kernels of ``kvcompile.kernels``; on the CPU a traced decode step reaches the native kernels
+(``kernels.cpu_native``) through the opaque ops ``native_decode``, ``format_attention`` and ``native_linear``.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def _attend(
     if not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
         return format_attention(*args, *stored, -1 if first_page is None else first_page)
     if backend == "auto" and window == 0 and torch.compiler.is_compiling() and cpu_native.serves(
-            q.view(q.shape[0], page_table.shape[2], -1, q.shape[-1]), (None, k_pages, None), (None, v_pages, None)):
+            q.reshape(q.shape[0], page_table.shape[2], -1, q.shape[-1]), (None, k_pages, None), (None, v_pages, None)):
         return native_decode(*args[:7], page_lw, scale)
     return reference.paged_attention(*args, first_page=first_page, log_weights=page_lw).contiguous()
 
