@@ -24,6 +24,13 @@ def fresh_seed() -> int:
     return seed
 
 
+def attended(calls: list, state):
+    """Record a call of ``cpu_native.attend`` that read the pools (it returns None where it does not)."""
+    if state is not None:
+        calls.append(1)
+    return state
+
+
 def random_pool(name: str, D: int, P: int, lengths: list[int], g: torch.Generator):
     """A format pool holding heads of the given lengths on shuffled pages (page 0 unused), with an outlier
     channel; page-table columns past a head's pages name page 0."""
@@ -74,7 +81,7 @@ def test_decode_is_the_same_with_the_native_path_switched_off(llama_cm, recipe, 
     ids, mask = left_padded_batch([180, 147], total=180, seed=5)  # past kivi2's 128 recent tokens
     budget = 1.0 if recipe in ("full", "full+int8", "kivi2") else 0.5
     calls, native_attend = [], cpu_native.attend
-    monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
+    monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: attended(calls, native_attend(*a, **k)))
     logits = []
     for backend in ("auto", "reference"):
         monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
@@ -93,7 +100,7 @@ def test_a_compiled_decode_calls_the_native_decode(llama_cm, recipe, monkeypatch
     ids, mask = left_padded_batch([60, 47], total=60, seed=6)
     budget = 1.0 if recipe == "full" else 0.5
     calls, native_attend = [], cpu_native.attend
-    monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: calls.append(1) or native_attend(*a, **k))
+    monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: attended(calls, native_attend(*a, **k)))
     logits = []
     for backend, compiled in (("reference", False), ("auto", True)):
         monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)

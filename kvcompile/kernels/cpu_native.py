@@ -74,13 +74,17 @@ def serves(q: Tensor, keys: tuple, values: tuple) -> bool:
 
 
 def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor,
-           bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Softmax attention of q [B, Hkv, G, D] (scaled already) over each head's rows of the pools (``serves``), in
-    place and one pass: the output [B, Hkv, G, D] fp32 and its log-sum-exp [B, Hkv, G] (an empty head: 0 and -inf).
-    ``bias`` [N, P]: added to each row's score (log-weights)."""
+           bias: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+    """Softmax attention of q [B, Hkv, G, D] (scaled already) over each head's rows of the pools, in place and one
+    pass: the output [B, Hkv, G, D] fp32 and its log-sum-exp [B, Hkv, G] (an empty head: 0 and -inf); None where
+    the native decode does not read them (``serves``: the caller's path then serves). ``bias`` [N, P]: added to
+    each row's score (log-weights)."""
+    plan = _plan(q, keys, values)
+    if plan is None:
+        return None
     B, Hkv, G, D = q.shape
     (_, k, km), (_, v, vm) = keys, values
-    kk, vk, k_groups, v_groups = _plan(q, keys, values)
+    kk, vk, k_groups, v_groups = plan
     q = q.float().contiguous()
     qsum = q.unflatten(-1, (k_groups, -1)).sum(-1).contiguous() if 0 < kk < 32 else q  # integer keys only
     NP = table.shape[-1]
@@ -100,14 +104,15 @@ def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor
 
 
 def decode(q: Tensor, k_pages: Tensor, v_pages: Tensor, page_table: Tensor, lengths: Tensor, scale: float,
-           log_weights: Tensor | None = None) -> Tensor:
+           log_weights: Tensor | None = None) -> Tensor | None:
     """A decode step [B, Hq, 1, D] over fp32 pages, each head read in place only as far as it holds (ragged heads
-    cost what they hold, with no gather); ``log_weights`` as ``reference.paged_attention`` takes them."""
+    cost what they hold, with no gather); ``log_weights`` as ``reference.paged_attention`` takes them. None where
+    the native decode does not read these pages."""
     B, Hq, _, D = q.shape
     qg = q.float().reshape(B, page_table.shape[1], -1, D) * scale
     bias = log_weights if log_weights is not None and log_weights.shape[0] > 0 else None
-    out, _ = attend(qg, (None, k_pages, None), (None, v_pages, None), page_table, lengths, bias)
-    return out.view(B, Hq, 1, D).to(q.dtype)
+    state = attend(qg, (None, k_pages, None), (None, v_pages, None), page_table, lengths, bias)
+    return None if state is None else state[0].view(B, Hq, 1, D).to(q.dtype)
 
 
 def serves_linear(x: Tensor, weight: Tensor) -> bool:

@@ -84,6 +84,4 @@ class FormatPages(NamedTuple):
             return None
         keys = (codec_of(self.k, self.k_meta, head_dim), self.k, self.k_meta)
         values = (codec_of(self.v, self.v_meta, head_dim), self.v, self.v_meta)
-        if not cpu_native.serves(q, keys, values):
-            return None
         return cpu_native.attend(q, keys, values, self.table, self.lengths)

@@ -81,9 +81,10 @@ def paged_attention(
             return stored_decode(q, dense, stored, scale)
         return merged_attention(q, q_pos, dense, stored, scale, window, block_bytes)
     B, Hq, T, D = q.shape
-    if T == 1 and window == 0 and ragged.concrete(lengths) and cpu_native.serves(
-            q.reshape(B, page_table.shape[1], -1, D), (None, k_pages, None), (None, v_pages, None)):
-        return cpu_native.decode(q, k_pages, v_pages, page_table, lengths, scale, log_weights)  # in place, as held
+    if T == 1 and window == 0 and ragged.concrete(lengths):  # in place, each head as far as it holds
+        out = cpu_native.decode(q, k_pages, v_pages, page_table, lengths, scale, log_weights)
+        if out is not None:
+            return out
     weighted = log_weights is not None and log_weights.shape[0] > 0  # a shape, not values, picks the path
     weights = heads_view(log_weights, page_table, first_page) if weighted else None  # [B, Hkv, S]
     if T == 1 and window == 0 and first_page is None and ragged.concrete(lengths):
