@@ -2,10 +2,11 @@
 
 Compares, on the same machine and inputs: transformers with its own full cache (sdpa, DynamicCache) and, with
 ``--hf-static``, with the fastest path a transformers user would pick (a ``StaticCache`` and a compiled one-token
-forward, gpt-fast style), kvcompile at budget 1.0 (and again with plain ``F.linear`` projections: what
-``StreamWeightsLinear`` is worth on this machine), and kvcompile's ``--recipes`` (a uniform one and a ragged one,
-e.g. ``snapkv,adakv-snapkv``) at smaller budgets (eager; compiled with ``--compiled``; and with ``--flex`` eager
-programs whose decode attention is flex_attention compiled by Inductor: ``KVCOMPILE_DECODE_BACKEND=flex``). Prefill is measured once
+forward, gpt-fast style), kvcompile at budget 1.0 (once per mode: at 1.0 every recipe keeps every token, so the full
+cache stands for all of them; and again with plain ``F.linear`` projections: what ``StreamWeightsLinear`` is worth
+on this machine), and kvcompile's ``--recipes`` (a uniform one and a ragged one, e.g. ``snapkv,adakv-snapkv``) at
+the budgets below 1.0. Modes: eager; compiled with ``--compiled``; and with ``--flex`` eager programs whose decode
+attention is flex_attention compiled by Inductor (``KVCOMPILE_DECODE_BACKEND=flex``). Prefill is measured once
 for kvcompile (compression runs after it); each budget then restores the prefilled cache and compresses (timed).
 Then every variant decodes ``--steps`` tokens in turn, for ``--rounds`` rounds; a variant's ms/token is its median
 round, including its share of reserving pages. Writes JSON (every round) and a PNG under bench/results/.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -134,6 +137,9 @@ def run(args):
     for ctx in args.contexts:
         for batch in args.batches:
             ids = torch.randint(100, 40000, (batch, ctx), generator=torch.Generator().manual_seed(ctx + batch))
+            steps_of = None  # the last cell's variants and their caches go before this cell's are built
+            gc.collect()
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
             hf_prefill, hf_step = hf_full_cache(model, ids)
             row = {"context": ctx, "batch": batch, "hf_prefill_s": hf_prefill}
             steps_of, reserve = {"hf": hf_step}, {"hf": 0.0}
@@ -143,14 +149,17 @@ def run(args):
             base.reset()
             logits, row["kv_prefill_s"] = timed(lambda: base.prefill(ids, compress=False, logits="last"))
             token = logits[:, -1:].argmax(-1)
-            full = base.fork()
-            steps_of["kv_1.0"], reserve["kv_1.0"] = kv_steps(full, token, room)
-            row["kv_1.0_bytes_held"] = full.cache_stats()["bytes_held"]
+            modes = ["eager"] + ["compiled"] * args.compiled + ["flex"] * args.flex
+            for mode in modes:  # at budget 1.0 every recipe keeps every token: its decode is the full cache's
+                key = "kv_1.0" + ("" if mode == "eager" else "_" + mode)
+                full = base.fork(compile=mode == "compiled")
+                steps_of[key], reserve[key] = kv_steps(full, token, room, "flex" if mode == "flex" else None)
+                row[f"{key}_bytes_held"] = full.cache_stats()["bytes_held"]
             plain.reset()
             plain.prefill(ids, logits="last")  # its own prefill: other programs than the base's (not timed)
             steps_of["kv_1.0_plain_linear"], reserve["kv_1.0_plain_linear"] = kv_steps(plain, token, room)
-            for recipe, budget in ((r, b) for r in recipes for b in args.budgets):
-                for mode in ["eager"] + ["compiled"] * args.compiled + ["flex"] * args.flex:
+            for recipe, budget in ((r, b) for r in recipes for b in args.budgets if b != 1.0):
+                for mode in modes:
                     cm = base.fork(recipe, budget, compile=mode == "compiled")
                     _, t_comp = timed(cm.compress)
                     key = f"kv_{recipe}_{budget}{'' if mode == 'eager' else '_' + mode}"
@@ -160,29 +169,25 @@ def run(args):
             for name, times in interleaved(steps_of, args.rounds, args.steps).items():
                 row[f"{name}_rounds_ms"] = [(t + reserve[name]) * 1e3 for t in times]
                 row[f"{name}_decode_ms"] = statistics.median(row[f"{name}_rounds_ms"])
+                row[f"{name}_reserve_ms"] = reserve[name] * 1e3  # its share of reserving pages, in every round
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
 
 
 def table(rows) -> str:
-    """Markdown table: times, and ratios against transformers' full cache measured in the same run."""
-    budgets = list(dict.fromkeys(k[3 : -len("_compress_s")] for r in rows for k in r if k.endswith("_compress_s")))
-    static = "hf_static_decode_ms" in rows[0]
-    head = ["context", "batch", "HF prefill s", "kv prefill s", "HF decode ms", "kv 1.0 decode ms", "HF / kv 1.0",
-            "kv 1.0 plain linear ms"] + ["HF static compiled ms", "HF static / kv 1.0"] * static
-    for b in budgets:
-        head += [f"kv {b} decode ms", f"HF / kv {b}", f"compress {b} / kv prefill"]
+    """Markdown table: every variant's decode ms and its ratio against transformers' full cache in the same run,
+    and each compression's time as a share of kvcompile's prefill."""
+    variants = [k[: -len("_decode_ms")] for k in rows[0] if k.endswith("_decode_ms") and k != "hf_decode_ms"]
+    compressed = [k[: -len("_compress_s")] for k in rows[0] if k.endswith("_compress_s")]
+    head = ["context", "batch", "HF prefill s", "kv prefill s", "HF decode ms"]
+    head += [c for v in variants for c in (f"{v} ms", f"HF / {v}")] + [f"compress {v} / kv prefill" for v in compressed]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["context"], r["batch"], f"{r['hf_prefill_s']:.1f}", f"{r['kv_prefill_s']:.1f}",
-                 f"{r['hf_decode_ms']:.0f}", f"{r['kv_1.0_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r['kv_1.0_decode_ms']:.2f}",
-                 f"{r['kv_1.0_plain_linear_decode_ms']:.0f}"]
-        if static:
-            cells += [f"{r['hf_static_decode_ms']:.0f}", f"{r['hf_static_decode_ms'] / r['kv_1.0_decode_ms']:.2f}"]
-        for b in budgets:
-            cells += [f"{r[f'kv_{b}_decode_ms']:.0f}", f"{r['hf_decode_ms'] / r[f'kv_{b}_decode_ms']:.2f}",
-                      f"{r[f'kv_{b}_compress_s'] / r['kv_prefill_s']:.1%}"]
+        hf = r["hf_decode_ms"]
+        cells = [r["context"], r["batch"], f"{r['hf_prefill_s']:.1f}", f"{r['kv_prefill_s']:.1f}", f"{hf:.0f}"]
+        cells += [c for v in variants for c in (f"{r[f'{v}_decode_ms']:.0f}", f"{hf / r[f'{v}_decode_ms']:.2f}")]
+        cells += [f"{r[f'{v}_compress_s'] / r['kv_prefill_s']:.1%}" for v in compressed]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

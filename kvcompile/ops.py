@@ -52,11 +52,13 @@ def decode_backend() -> str:
 
 @functools.cache
 def _compiled_flex():
-    """flex_attention through Inductor, compiled once per process (and per shape): eager flex_attention is a
-    reference that materialises every score."""
+    """flex_attention through Inductor, compiled once per process: eager flex_attention is a reference that
+    materialises every score. Shapes are automatic-dynamic (a second pool size recompiles once, with sizes as
+    symbols): compiled per shape, a process meeting more than dynamo's recompile limit (8) of pool sizes fell back
+    to eager flex_attention, 10-20x slower (measured in the issue-22 grid, where it did)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def _flex_decode(args: tuple, page_lw: Tensor) -> Tensor:

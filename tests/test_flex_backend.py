@@ -52,3 +52,22 @@ def test_flex_backend_refuses_what_it_cannot_serve(llama_cm, monkeypatch):
         kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv+int4")
     with pytest.raises(ValueError, match=r"flex runs in eager programs \(apply\(\.\.\., compile=False\)\)"):
         kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", compile=True)
+
+
+def test_flex_backend_compiles_a_few_times_for_many_cache_sizes(llama_cm, monkeypatch):
+    """A process that decodes caches of many sizes through flex (here: nine prompt lengths) compiles flex_attention
+    a few times, not once per size, and decodes as the reference at every size: compiled per size, the ninth size
+    passed dynamo's recompile limit and fell back to eager flex_attention, which materialises every score (10-20x
+    slower; the issue-22 grid met it)."""
+    from torch._dynamo.utils import counters
+
+    cm = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4)
+    compiled = counters["stats"]["unique_graphs"]
+    for length in range(9, 45, 4):
+        ids, mask = left_padded_batch([length], total=length, seed=length)
+        runs = {}
+        for backend in ("reference", "flex"):
+            monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
+            runs[backend] = cm.generate(ids, mask, max_new_tokens=2, eos_token_id=[])
+        assert torch.equal(runs["flex"], runs["reference"]), f"prompt of {length} tokens"
+    assert counters["stats"]["unique_graphs"] - compiled <= 3, "flex_attention compiled once per cache size"

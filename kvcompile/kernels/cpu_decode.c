@@ -5,6 +5,9 @@
    (KV head, chunk of pages) keeps a running softmax (flash-decoding): a page's key rows are unpacked into a buffer
    that stays in the L1 cache and scored at once, the page's weights taken, and its value rows unpacked and summed
    in; the codes are read once, as bytes, with the scales folded in, and a head is read only as far as it holds.
+   Integer keys of 8, 4 and 2 bits are scored 16 rows at a time with AVX-512 VNNI where the CPU has it
+   (``score_tile``: u8 codes times the query split into three int8 levels, no sum across lanes per row); the
+   weights of 16 value rows are taken as one vector. Both measured on one layer at 8k x 4 (docs/results.md).
 
    Row kinds (``kind``), with the layouts of ``packing`` and ``formats`` (``cpu_native.py`` names them):
      2, 3, 4, 8  IntCodec: ``8 / bits`` planes of D * bits / 8 channels (int3: a 2-bit plane of the low bits, then a
@@ -12,12 +15,15 @@
                  score s * (q . c) + m * sum(q) per group; weights p * s on the codes, p * m summed apart
      -2, -4      ChannelCodec (KIVI's keys only): fp16 scale and minimum per channel and page, folded into the
                  query once per page: (q * s) . c + q . m
-     0           float8 e4m3 codes, one fp32 scale per row (through a table of all 256 codes: ``e4m3_row``)
+     0           float8 e4m3 codes, one fp32 scale per row (widened through binary16: ``e4m3_row``)
      32          fp32 rows, no metadata (a ragged decode: each head read only as far as it holds)
    Built and loaded by ``cpu_native.py``; the PyTorch decode (``reference.stored_decode``, the gathering decode) is
    the reference it is tested against. */
 
 #include "cpu_lanes.h"
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef _Float16 half;
 
@@ -55,8 +61,19 @@ INLINE void unpack_plane(const uint8_t *restrict c, int width, int bits, float *
         for (int j = 0; j < width; ++j) x[i * width + j] = (float)((c[j] >> (i * bits)) & mask);
 }
 
-/* float8 e4m3fn codes -> their values / 256, through a table of all 256 built at load: a code's bits shifted into
-   a binary16 are that number exactly (the subnormals included). The encoder never writes NaN (it clamps). */
+/* float8 e4m3fn codes -> their values / 256: a code's bits shifted into a binary16 are that number exactly (the
+   subnormals included), widened 16 at a time by the hardware (AVX-512), else through a table of all 256 built at
+   load. The encoder never writes NaN (it clamps). D: a multiple of 16. */
+#ifdef __AVX512F__
+INLINE void e4m3_row(const uint8_t *restrict c, int D, float *restrict x) {
+    for (int d = 0; d < D; d += 16) {
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(c + d)));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+        _mm512_storeu_ps(x + d, _mm512_cvtph_ps(h));
+    }
+}
+#else
 static float e4m3_table[256];
 
 __attribute__((constructor)) static void build_e4m3_table(void) {
@@ -71,6 +88,7 @@ __attribute__((constructor)) static void build_e4m3_table(void) {
 INLINE void e4m3_row(const uint8_t *restrict c, int D, float *restrict x) {
     for (int d = 0; d < D; ++d) x[d] = e4m3_table[c[d]];
 }
+#endif
 
 /* One stored row's codes -> x [D], unscaled (integer codes as numbers 0 .. 2^bits - 1). Not for fp32 rows. */
 INLINE void unpack_row(const uint8_t *restrict c, int D, int kind, float *restrict x) {
@@ -117,6 +135,119 @@ INLINE lanes exp_lanes(lanes x) {
 
 #define MAX_G 8
 #define MAX_P 256
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI_KEYS 1
+#define LEVELS 3 /* int8 levels of a query row: three carry its fp32 precision (the residual is below 1e-7 of its
+                    largest channel) */
+
+static int32_t swap_index[4][2][16]; /* transpose16's lane choices, one pair per block size 8, 4, 2, 1 */
+
+__attribute__((constructor)) static void build_swap_index(void) {
+    for (int s = 0, h = 8; h >= 1; ++s, h /= 2)
+        for (int l = 0; l < 16; ++l) {
+            swap_index[s][0][l] = l & h ? 16 + l - h : l;
+            swap_index[s][1][l] = l & h ? 16 + l : l + h;
+        }
+}
+
+/* 16 rows of 16 int32 -> their transpose, in place: rows i and i + h trade the lanes of bit h, for h = 8, 4, 2, 1
+   (each stage exchanges bit h of the row with bit h of the lane; all four exchange the row with the lane). */
+INLINE void transpose16(__m512i *r) {
+    for (int s = 0, h = 8; h >= 1; ++s, h /= 2) {
+        const __m512i lo = _mm512_loadu_si512(swap_index[s][0]), hi = _mm512_loadu_si512(swap_index[s][1]);
+        for (int i = 0; i < 16; ++i)
+            if (!(i & h)) {
+                const __m512i a = r[i], b = r[i + h];
+                r[i] = _mm512_permutex2var_epi32(a, lo, b);
+                r[i + h] = _mm512_permutex2var_epi32(a, hi, b);
+            }
+    }
+}
+
+/* q [D] as LEVELS rows of int8 codes ql [LEVELS, D] and their scales: q = sum over l of sig[l] * ql[l] (each level
+   codes what the ones before left, within half its step). */
+INLINE void query_levels(const float *restrict q, int D, int8_t *restrict ql, float *restrict sig) {
+    float rest[MAX_D];
+    memcpy(rest, q, D * sizeof(float));
+    for (int l = 0; l < LEVELS; ++l) {
+        float top = 0.0f;
+        for (int d = 0; d < D; ++d) top = __builtin_fabsf(rest[d]) > top ? __builtin_fabsf(rest[d]) : top;
+        const float inv = top > 0.0f ? 127.0f / top : 0.0f;
+        sig[l] = top / 127.0f;
+        for (int d = 0; d < D; ++d) {
+            const float c = __builtin_nearbyintf(rest[d] * inv);
+            ql[l * D + d] = (int8_t)c;
+            rest[d] -= c * sig[l];
+        }
+    }
+}
+
+/* The scores of nr (<= 16) integer key rows from row0 (kind 8, 4 or 2: ``bits``, W bytes a row) for every query
+   row g, as ``score`` computes them one row at a time: VNNI's u8 x s8 product sums 4 channels in each of 16 lanes,
+   so the 16 rows' codes are transposed (a vector then holds 4 channels of every row) and each query level is
+   broadcast 4 channels at a time; no sum across lanes. Writes w[g * Pv + r0 + i] for i < nr. */
+INLINE void score_tile(const uint8_t *restrict kc, const void *restrict km, int64_t row0, int nr, int W,
+                       const int bits, const int D, const int groups, const int8_t *restrict ql,
+                       const float *restrict sig, const float *restrict qsum, const float *restrict bias, int G,
+                       float *restrict w, int Pv, int r0) {
+    const int E = W / 4, planes = 8 / bits, n = D / groups;
+    const __m512i mask = _mm512_set1_epi8((char)((1 << bits) - 1));
+    const half *m = (const half *)km;
+    float scale[MAX_D / 16][16], low[MAX_D / 16][16], dots[MAX_G][MAX_D / 16][16];
+    for (int g = 0; g < G; ++g)
+        for (int k = 0; k < groups; ++k) memset(dots[g][k], 0, sizeof dots[g][k]);
+    for (int k = 0; k < groups; ++k)
+        for (int i = 0; i < 16; ++i) {
+            scale[k][i] = i < nr ? (float)m[(row0 + i) * 2 * groups + 2 * k] : 0.0f;
+            low[k][i] = i < nr ? (float)m[(row0 + i) * 2 * groups + 2 * k + 1] : 0.0f;
+        }
+    for (int e0 = 0; e0 < E; e0 += 16) {
+        const int ne = E - e0 < 16 ? E - e0 : 16;
+        __m512i t[16];
+        for (int i = 0; i < 16; ++i)
+            t[i] = i < nr ? _mm512_maskz_loadu_epi32((__mmask16)((1u << ne) - 1), kc + (row0 + i) * W + 4 * e0)
+                          : _mm512_setzero_si512();
+        transpose16(t);
+        __m512i u[8 / 2 * 16]; /* plane p's codes of element e: u[p * ne + e], one byte a channel */
+        for (int p = 0; p < planes; ++p)
+            for (int e = 0; e < ne; ++e)
+                u[p * ne + e] = bits == 8 ? t[e] : _mm512_and_si512(_mm512_srli_epi32(t[e], p * bits), mask);
+        for (int g = 0; g < G; ++g)
+            for (int p = 0; p < planes; ++p) {
+                __m512i acc[LEVELS];
+                int k = (p * W + 4 * e0) / n;
+                for (int l = 0; l < LEVELS; ++l) acc[l] = _mm512_setzero_si512();
+                for (int e = 0; e <= ne; ++e) {
+                    const int c = p * W + 4 * (e0 + e);
+                    if (e == ne || c / n != k) { /* a group's products done: into fp32 with the levels' scales */
+                        lanes sum = load(dots[g][k]);
+                        for (int l = 0; l < LEVELS; ++l) {
+                            const __m512 f = _mm512_cvtepi32_ps(acc[l]);
+                            lanes fl;
+                            memcpy(&fl, &f, sizeof fl);
+                            sum += sig[g * LEVELS + l] * fl;
+                            acc[l] = _mm512_setzero_si512();
+                        }
+                        memcpy(dots[g][k], &sum, sizeof sum);
+                        if (e == ne) break;
+                        k = c / n;
+                    }
+                    for (int l = 0; l < LEVELS; ++l) {
+                        int32_t four;
+                        memcpy(&four, ql + (g * LEVELS + l) * D + c, sizeof four);
+                        acc[l] = _mm512_dpbusd_epi32(acc[l], u[p * ne + e], _mm512_set1_epi32(four));
+                    }
+                }
+            }
+    }
+    for (int g = 0; g < G; ++g) {
+        lanes s = {0};
+        for (int k = 0; k < groups; ++k) s += load(scale[k]) * load(dots[g][k]) + load(low[k]) * qsum[g * groups + k];
+        for (int i = 0; i < nr; ++i) w[g * Pv + r0 + i] = s[i] + (bias ? bias[row0 + i] : 0.0f);
+    }
+}
+#endif
 
 /* A key row's score for query row g (x: the row unpacked; fp32 rows: the row itself). */
 INLINE float score(const int kind, const float *restrict qg, const float *restrict sg, const float *restrict qs,
@@ -168,6 +299,15 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
             float o[MAX_G * MAX_D] = {0}, lows[MAX_G * MAX_D / 16] = {0}, vb[16 * MAX_D], we[MAX_G * MAX_D], held[MAX_P];
             const float *qh = q + (int64_t)bh * G * D, *sh = qsum + (int64_t)bh * G * kgroups;
             for (int g = 0; g < G; ++g) m[g] = -__builtin_inff();
+#ifdef VNNI_KEYS
+            const int vnni = kkind == 8 || kkind == 4 || kkind == 2;
+            int8_t ql[MAX_G * LEVELS * MAX_D];
+            float sig[MAX_G * LEVELS];
+            if (vnni)
+                for (int g = 0; g < G; ++g) query_levels(qh + g * D, D, ql + g * LEVELS * D, sig + g * LEVELS);
+#else
+            const int vnni = 0;
+#endif
             for (int pg = c * chunk; pg < NP && pg < (c + 1) * chunk; ++pg) {
                 const int rows = lengths[bh] - pg * P < P ? lengths[bh] - pg * P : P;
                 if (rows <= 0) break;
@@ -191,7 +331,13 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
                         }
                     }
                 }
-                for (int r = 0; r < rows; ++r) { /* scores */
+#ifdef VNNI_KEYS
+                if (vnni)
+                    for (int r0 = 0; r0 < rows; r0 += 16)
+                        score_tile(kc, km, page * P + r0, rows - r0 < 16 ? rows - r0 : 16, kW, kkind, D, kgroups, ql,
+                                   sig, sh, bias, G, w, Pv, r0);
+#endif
+                for (int r = 0; r < rows * !vnni; ++r) { /* scores */
                     const int64_t row = page * P + r;
                     const float *xr = kkind == FP32 ? (const float *)(kc + row * kW) : x;
                     if (kkind != FP32) unpack_row(kc + row * kW, D, kkind, x);
@@ -220,25 +366,34 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
                 for (int r0 = 0; r0 < rows; r0 += 16) { /* weighted values, 16 rows at a time: o stays in registers */
                     const int nr = rows - r0 < 16 ? rows - r0 : 16;
                     const float *xs[16];
-                    for (int i = 0; i < nr; ++i) {
-                        const int64_t row = page * P + r0 + i;
-                        float scale[MAX_D / 16], low[MAX_D / 16];
-                        xs[i] = vkind == FP32 ? (const float *)(vc + row * vW) : vb + i * D;
-                        if (vkind != FP32) unpack_row(vc + row * vW, D, vkind, vb + i * D);
-                        value_grid(vkind, vm, row, vgroups, scale, low);
-                        for (int g = 0; g < G; ++g)
-                            for (int k = 0; k < vgroups; ++k) {
-                                const float p = w[g * Pv + r0 + i];
-                                we[(g * 16 + i) * vgroups + k] = p * scale[k];
-                                lows[g * vgroups + k] += p * low[k];
-                            }
-                    }
                     const int n = D / vgroups;
+                    float sc[MAX_D / 16][16], lo[MAX_D / 16][16]; /* each group's scale and minimum, by row */
+                    for (int i = 0; i < 16; ++i) {
+                        const int64_t row = page * P + r0 + i;
+                        float scale[MAX_D / 16] = {0}, low[MAX_D / 16] = {0}; /* rows past nr: weighed 0 */
+                        if (i < nr) {
+                            xs[i] = vkind == FP32 ? (const float *)(vc + row * vW) : vb + i * D;
+                            if (vkind != FP32) unpack_row(vc + row * vW, D, vkind, vb + i * D);
+                            value_grid(vkind, vm, row, vgroups, scale, low);
+                        }
+                        for (int k = 0; k < vgroups; ++k) {
+                            sc[k][i] = scale[k];
+                            lo[k][i] = low[k];
+                        }
+                    }
+                    for (int g = 0; g < G; ++g) { /* the weights on the codes, 16 rows at once; p * m summed apart */
+                        const lanes p = load(w + g * Pv + r0);
+                        for (int k = 0; k < vgroups; ++k) {
+                            const lanes e = p * load(sc[k]);
+                            memcpy(we + (g * vgroups + k) * 16, &e, sizeof e);
+                            if (vkind != FP32 && vkind != FP8) lows[g * vgroups + k] += sum_lanes(p * load(lo[k]));
+                        }
+                    }
                     for (int g = 0; g < G; ++g)
                         for (int d = 0; d < D; d += 16) {
-                            const float *wg = we + g * 16 * vgroups + d / n;
+                            const float *wg = we + (g * vgroups + d / n) * 16;
                             lanes acc = load(o + g * D + d);
-                            for (int i = 0; i < nr; ++i) acc += wg[i * vgroups] * load(xs[i] + d);
+                            for (int i = 0; i < nr; ++i) acc += wg[i] * load(xs[i] + d);
                             memcpy(o + g * D + d, &acc, sizeof acc);
                         }
                 }
