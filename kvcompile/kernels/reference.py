@@ -76,6 +76,10 @@ def paged_attention(
     paths take none.
     """
     if stored is not None and not stored.empty:
+        if q.shape[2] == 1 and window == 0:
+            both = _native_two_pools(q, k_pages, v_pages, page_table, lengths, stored, scale)
+            if both is not None:
+                return both
         dense = gather_dense(k_pages, v_pages, page_pos, page_table, lengths, first_page)
         if q.shape[2] == 1 and window == 0:
             return stored_decode(q, dense, stored, scale)
@@ -198,6 +202,17 @@ def stored_decode(q, dense, stored: FormatPages, scale: float, tile_tokens: int 
         out = out + stored.mix(probs[..., done : done + width], stored.table[..., t], D)
         done += width
     return out.view(B, Hq, 1, D).to(q.dtype)
+
+
+def _native_two_pools(q, k_pages, v_pages, page_table, lengths, stored: FormatPages, scale: float) -> Tensor | None:
+    """A decode step over a layer's model-dtype pages and its format pool, each read in place by ``cpu_native`` and
+    the two softmax states merged by log-sum-exp (no gather of the model-dtype entries, no PyTorch attention over
+    them); None where the native decode reads either pool not (``stored_decode`` then serves)."""
+    B, Hq, _, D = q.shape
+    qg = q.float().view(B, page_table.shape[1], -1, D) * scale
+    dense = cpu_native.attend(qg, (None, k_pages, None), (None, v_pages, None), page_table, lengths)
+    pool = None if dense is None else stored.native_attention(qg, D)
+    return None if pool is None else _merge(*pool, *dense)[0].view(B, Hq, 1, D).to(q.dtype)
 
 
 def _partial(q, q_pos, keys, values, k_pos, valid, scale: float, window: int):
