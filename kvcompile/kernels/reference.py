@@ -76,13 +76,11 @@ def paged_attention(
     paths take none.
     """
     if stored is not None and not stored.empty:
+        pages = (k_pages, v_pages, page_pos, page_table, lengths, first_page)
         if q.shape[2] == 1 and window == 0:
-            both = _native_two_pools(q, k_pages, v_pages, page_table, lengths, stored, scale)
-            if both is not None:
-                return both
-        dense = gather_dense(k_pages, v_pages, page_pos, page_table, lengths, first_page)
-        if q.shape[2] == 1 and window == 0:
-            return stored_decode(q, dense, stored, scale)
+            both = _native_two_pools(q, pages, stored, scale)
+            return both if both is not None else stored_decode(q, gather_dense(*pages), stored, scale)
+        dense = gather_dense(*pages)
         return merged_attention(q, q_pos, dense, stored, scale, window, block_bytes)
     B, Hq, T, D = q.shape
     if T == 1 and window == 0 and ragged.concrete(lengths):  # in place, each head as far as it holds
@@ -182,12 +180,7 @@ def stored_decode(q, dense, stored: FormatPages, scale: float, tile_tokens: int 
     qg = q.float().view(B, Hkv, Hq // Hkv, D) * scale
     native = stored.native_attention(qg, D)
     if native is not None:
-        out, lse = native
-        if S0 > 0:
-            logits = torch.matmul(qg, keys.float().transpose(-1, -2)).masked_fill(~valid[:, :, None], float("-inf"))
-            dense_lse = torch.logsumexp(logits, -1)
-            dense_out = torch.matmul(torch.exp(logits - dense_lse[..., None]).nan_to_num(0.0), values.float())
-            out, _ = _merge(out, lse, dense_out, dense_lse)
+        out, _ = _merge(*native, *_dense_state(qg, dense)) if S0 > 0 else native
         return out.view(B, Hq, 1, D).to(q.dtype)
     step = max(1, tile_tokens // P)
     tiles = [slice(s, s + step) for s in range(0, stored.table.shape[-1], step)]
@@ -204,15 +197,28 @@ def stored_decode(q, dense, stored: FormatPages, scale: float, tile_tokens: int 
     return out.view(B, Hq, 1, D).to(q.dtype)
 
 
-def _native_two_pools(q, k_pages, v_pages, page_table, lengths, stored: FormatPages, scale: float) -> Tensor | None:
-    """A decode step over a layer's model-dtype pages and its format pool, each read in place by ``cpu_native`` and
-    the two softmax states merged by log-sum-exp (no gather of the model-dtype entries, no PyTorch attention over
-    them); None where the native decode reads either pool not (``stored_decode`` then serves)."""
+def _dense_state(qg, dense) -> tuple[Tensor, Tensor]:
+    """Softmax attention of qg [B, Hkv, G, D] (scaled) over gathered model-dtype entries (``gather_dense``), in
+    PyTorch: the output and its log-sum-exp (-inf where a head holds none)."""
+    keys, values, _, valid = dense
+    logits = torch.matmul(qg, keys.float().transpose(-1, -2)).masked_fill(~valid[:, :, None], float("-inf"))
+    lse = torch.logsumexp(logits, -1)
+    return torch.matmul(torch.exp(logits - lse[..., None]).nan_to_num(0.0), values.float()), lse
+
+
+def _native_two_pools(q, pages: tuple, stored: FormatPages, scale: float) -> Tensor | None:
+    """A decode step over a layer's format pool read in place by ``cpu_native`` and its model-dtype pages
+    (``pages``: ``gather_dense``'s arguments), read in place too where the native decode reads them (fp32), else
+    gathered and attended in PyTorch; the two softmax states merged by log-sum-exp. None, with nothing computed,
+    where the native decode does not read the format pool (``stored_decode`` then serves)."""
     B, Hq, _, D = q.shape
+    k_pages, v_pages, _, page_table, lengths, _ = pages
     qg = q.float().view(B, page_table.shape[1], -1, D) * scale
+    pool = stored.native_attention(qg, D)
+    if pool is None:
+        return None
     dense = cpu_native.attend(qg, (None, k_pages, None), (None, v_pages, None), page_table, lengths)
-    pool = None if dense is None else stored.native_attention(qg, D)
-    return None if pool is None else _merge(*pool, *dense)[0].view(B, Hq, 1, D).to(q.dtype)
+    return _merge(*pool, *(dense or _dense_state(qg, gather_dense(*pages))))[0].view(B, Hq, 1, D).to(q.dtype)
 
 
 def _partial(q, q_pos, keys, values, k_pos, valid, scale: float, window: int):
