@@ -5,6 +5,7 @@ next-token KL against the full cache as its kvpress step). Run in the kvpress en
 
     <kvpress venv>/bin/python bench/kvzip_protocol.py --budget 0.1 --prompts 2
     python bench/kvzip_protocol.py --kvcompile --budget 0.1 --prompts 2     # kvcompile's side, its own environment
+    python bench/kvzip_protocol.py --kvcompile --recipe kvcompose --dir D   # the same for another recipe
 
 kvpress 0.5.5's ``KVzipPress`` reads the context through the chat template it finds on the tokenizer: the template's
 prefix (SmolLM2: the system turn and the user header, 24 tokens) is neither reconstructed nor in the softmax over
@@ -17,11 +18,12 @@ assistant header before the copy. kvcompile's ``kvzip`` reconstructs the whole c
 - ``context alone``: that, and no instruction or assistant header (kvcompile's protocol);
 - ``prefix kept``: as shipped, but the prefix tokens scored highest instead of 0 (kept, never evicted).
 
-``--kvcompile`` measures kvcompile's ``kvzip`` on the same prompts the same way: as it is (the global competition
-between whole pages), with the engine's old rounding of token counts down to pages (``whole_pages=False``), and
-with pages of one token (where both agree with a token-level top-k).
+``--kvcompile`` measures kvcompile's ``kvzip`` (or ``--recipe kvgrad`` / ``kvcompose``, whose allocators compete
+for whole pages too) on the same prompts the same way: as it is (the competition between whole pages), with the
+engine's old rounding of token counts down to pages (``whole_pages=False``), and with pages of one token (where
+both agree with a token-level selection).
 
-Writes ``bench/results/kvzip_protocol.{json,md}`` (``kvzip_protocol_kvcompile.*`` with ``--kvcompile``).
+Writes ``bench/results/kvzip_protocol.{json,md}`` (``kvzip_protocol_kvcompile[_<recipe>].*`` with ``--kvcompile``).
 """
 
 from __future__ import annotations
@@ -100,19 +102,24 @@ def token_kl(full_logits, logits) -> list[float]:
     return (lp_full.exp() * (lp_full - lp)).sum(-1).clamp_min(0).tolist()
 
 
-def kvcompile_rows(prompts, budget):
-    """kvcompile's kvzip variants on ``prompts``: next-token KL over each reference, as ``kl_and_score``."""
+def kvcompile_rows(prompts, budget, name="kvzip"):
+    """kvcompile's recipe ``name`` (one whose allocator has ``whole_pages``) on ``prompts``, three ways: as it is
+    (the competition between whole pages), with the engine's old rounding of token counts down to pages
+    (``whole_pages=False``), and with pages of one token; next-token KL over each reference, as ``kl_and_score``."""
+    import dataclasses
+
     import kvcompile
-    from kvcompile.recipes import Recipe
 
     model, _ = kvcompile.load_model("smollm2-135m")
     full = kvcompile.apply(model, budget=1.0, recipe="full")
-    counted = Recipe("kvzip-rounded", "kvzip", "global-topk", {"n_sink": 4, "window": 8192})
-    variants = {"kvzip (whole pages)": ("kvzip", 16), "token counts rounded down to pages": (counted, 16),
-                "pages of one token": ("kvzip", 1)}
+    recipe = kvcompile.get_recipe(name)
+    counted = dataclasses.replace(recipe, name=f"{name}-rounded",
+                                  allocator_args={**recipe.allocator_args, "whole_pages": False})
+    variants = {f"{name} (whole pages)": (recipe, 16), "token counts rounded down to pages": (counted, 16),
+                "pages of one token": (recipe, 1)}
     rows = []
-    for name, (recipe, page_size) in variants.items():
-        cm, kls = kvcompile.apply(model, budget=budget, recipe=recipe, page_size=page_size), []
+    for variant, (r, page_size) in variants.items():
+        cm, kls = kvcompile.apply(model, budget=budget, recipe=r, page_size=page_size), []
         for q in prompts:
             out = []
             for m in (full, cm):
@@ -121,8 +128,8 @@ def kvcompile_rows(prompts, budget):
                     m.prefill(torch.tensor([q["context"]]), logits="last")
                     out.append(m.prefill(torch.tensor([q["reference"]]), compress=False)[0, :-1])
             kls += token_kl(*out)
-        rows.append({"variant": name, "kl_mean": sum(kls) / len(kls)})
-        print(f"{name:<35} KL {rows[-1]['kl_mean']:.3f}", flush=True)
+        rows.append({"variant": variant, "kl_mean": sum(kls) / len(kls)})
+        print(f"{variant:<35} KL {rows[-1]['kl_mean']:.3f}", flush=True)
     return rows
 
 
@@ -132,6 +139,7 @@ def main():
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--prompts", type=int, default=2, help="the first N per task")
     p.add_argument("--kvcompile", action="store_true", help="kvcompile's side (run in kvcompile's environment)")
+    p.add_argument("--recipe", default="kvzip", help="--kvcompile: the recipe (kvzip, kvgrad, kvcompose)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -141,11 +149,13 @@ def main():
         per_task[q["task"]] = per_task.get(q["task"], 0) + 1
         if per_task[q["task"]] <= args.prompts:
             prompts.append(q)
-    out = args.out or str(RESULTS / ("kvzip_protocol_kvcompile" if args.kvcompile else "kvzip_protocol"))
-    rows = kvcompile_rows(prompts, args.budget) if args.kvcompile else kvpress_rows(args.dir, prompts, args.budget)
+    suffix = "" if args.recipe == "kvzip" else f"_{args.recipe}"
+    out = args.out or str(RESULTS / (f"kvzip_protocol_kvcompile{suffix}" if args.kvcompile else "kvzip_protocol"))
+    rows = (kvcompile_rows(prompts, args.budget, args.recipe) if args.kvcompile
+            else kvpress_rows(args.dir, prompts, args.budget))
     meta = {"budget": args.budget, "prompts": len(prompts), "tasks": sorted(per_task), "threads": 1}
     Path(out + ".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
-    side = "kvcompile's kvzip" if args.kvcompile else "kvpress KVzip, one protocol choice at a time"
+    side = f"kvcompile's {args.recipe}" if args.kvcompile else "kvpress KVzip, one protocol choice at a time"
     lines = [f"# {side} (budget {args.budget}, {len(prompts)} prompts: the first {args.prompts} of "
              f"{', '.join(sorted(per_task))})", "", "| variant | KL mean |" + (" score |" if not args.kvcompile else ""),
              "|---|---|" + ("---|" if not args.kvcompile else "")]

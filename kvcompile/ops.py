@@ -139,6 +139,8 @@ def _attend(
         return paged_decode(*args, stored=stored, log_weights=page_lw)
     first_page = 1 + layer * page_table[layer].numel() if packed else None  # PagedKVCache.packed's layout
     if not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
+        if not torch.compiler.is_compiling():  # eager: the op's body, without the dispatcher's cost a layer
+            return reference.paged_attention(*args, first_page=first_page, stored=stored).contiguous()
         return format_attention(*args, *stored, -1 if first_page is None else first_page)
     if backend == "auto" and window == 0 and torch.compiler.is_compiling() and cpu_native.serves(
             q.reshape(q.shape[0], page_table.shape[2], -1, q.shape[-1]), (None, k_pages, None), (None, v_pages, None)):

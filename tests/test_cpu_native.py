@@ -31,9 +31,9 @@ def attended(calls: list, state):
     return state
 
 
-def random_pool(name: str, D: int, P: int, lengths: list[int], g: torch.Generator):
-    """A format pool holding heads of the given lengths on shuffled pages (page 0 unused), with an outlier
-    channel; page-table columns past a head's pages name page 0."""
+def random_pages(D: int, P: int, lengths: list[int], g: torch.Generator):
+    """fp32 key and value pages holding heads of the given lengths on shuffled pages (page 0 unused), with an
+    outlier key channel, and their page table and lengths; page-table columns past a head's pages name page 0."""
     widths = [-(-n // P) for n in lengths]
     n_pages = 1 + sum(widths)
     k, v = torch.randn(n_pages, P, D, generator=g), torch.randn(n_pages, P, D, generator=g)
@@ -44,8 +44,14 @@ def random_pool(name: str, D: int, P: int, lengths: list[int], g: torch.Generato
     for i, w in enumerate(widths):
         table[i, :w] = order[start : start + w]
         start += w
+    return k, v, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def random_pool(name: str, D: int, P: int, lengths: list[int], g: torch.Generator):
+    """``random_pages`` encoded in format ``name``."""
+    k, v, table, lengths = random_pages(D, P, lengths, g)
     f = FORMATS[name]
-    return f, (*encode_pool(f.key, k), *encode_pool(f.value, v)), table, torch.tensor(lengths, dtype=torch.int32)
+    return f, (*encode_pool(f.key, k), *encode_pool(f.value, v)), table, lengths
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
@@ -74,6 +80,39 @@ def test_native_attention_equals_softmax_over_the_decoded_rows(name, D, G, P):
                                msg=lambda m: f"seed {seed}: output: {m}")
     torch.testing.assert_close(got_lse, torch.logsumexp(logits, -1), atol=1e-5 * (score_scale + 1), rtol=1e-5,
                                msg=lambda m: f"seed {seed}: log-sum-exp: {m}")
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "kivi2"])
+def test_native_attention_over_two_pools_is_one_softmax_over_both(name):
+    """A head's rows split between a format pool and fp32 pages (a format cache's newest tokens), read in one call
+    (``more``): the same as softmax over both pools' decoded rows together, output and log-sum-exp; heads empty in
+    either pool or both included, and a second pool listing no pages at all."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    D, G, P, B, Hkv = 64, 3, 16, 2, 3
+    f, (kc, km, vc, vm), table, lens = random_pool(name, D, P, [P + 1, 0, 37, 5 * P, 0, 3], g)
+    k32, v32, table2, lens2 = random_pages(D, 4, [3, 9, 0, 1, 0, 4], g)
+    q = torch.randn(B, Hkv, G, D, generator=g) * D**-0.5
+    pools = [((f.key, kc, km), (f.value, vc, vm), table.view(B, Hkv, -1), lens.view(B, Hkv)),
+             ((None, k32, None), (None, v32, None), table2.view(B, Hkv, -1), lens2.view(B, Hkv))]
+    rows = []
+    for (kcodec, k, km_), (vcodec, v, vm_), t, n in pools:
+        K, V = gather_pages(k, t), gather_pages(v, t)
+        if kcodec is not None:
+            K = kcodec.decode(K, gather_pages(km_, t), torch.float32)
+            V = vcodec.decode(V, gather_pages(vm_, t), torch.float32)
+        rows.append((K, V, torch.arange(K.shape[2]) < n.unsqueeze(-1)))
+    K, V, held = (torch.cat(x, 2) for x in zip(*rows))
+    logits = (q @ K.transpose(-1, -2)).masked_fill(~held[:, :, None], float("-inf"))
+    got, got_lse = cpu_native.attend(q, *pools[0], more=(pools[1],))
+    torch.testing.assert_close(got, torch.softmax(logits, -1).nan_to_num(0.0) @ V, atol=1e-4, rtol=1e-4,
+                               msg=lambda m: f"seed {seed}: output: {m}")
+    torch.testing.assert_close(got_lse, torch.logsumexp(logits, -1), atol=1e-4, rtol=1e-4,
+                               msg=lambda m: f"seed {seed}: log-sum-exp: {m}")
+    no_pages = ((None, k32, None), (None, v32, None), table2.view(B, Hkv, -1)[..., :0], torch.zeros(B, Hkv))
+    alone = cpu_native.attend(q, *pools[0])
+    for a, b in zip(cpu_native.attend(q, *pools[0], more=(no_pages,)), alone):
+        torch.testing.assert_close(a, b, msg=lambda m: f"seed {seed}: a pool of no pages: {m}")
 
 
 @pytest.mark.parametrize("recipe", ["full", "full+int8", "snapkv+int4", "adakv+snapkv+int2", "adakv-snapkv", "kivi2"])

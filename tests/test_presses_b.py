@@ -320,6 +320,41 @@ def test_kvcompose_floor_comes_out_of_the_budget():
     assert counts[:, 0, 0].tolist() == [4, 1, 1, 1] and int(counts.sum()) == 14
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("structured", [True, False])
+def test_kvcompose_whole_pages_keep_the_most_composite_score_any_page_choice_can(seed, structured):
+    """``whole_pages`` against every choice of whole pages (brute force, fresh random scores): within the page
+    budget, no choice keeps more composite score (structured: a layer's block of ranks costs a page per head, and
+    every layer keeps at least its first); counts are whole pages or a head's length."""
+    import itertools
+
+    r, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    alloc = ALLOCATORS["kvcompose"](structured=structured, whole_pages=True)
+    for _ in range(20):
+        L, Hkv, n, P = r.randint(2, 3), r.randint(1, 2), r.randint(3, 8), r.randint(2, 3)
+        scores = torch.rand(L, 1, Hkv, n, generator=g) ** 3 * torch.rand(L, 1, 1, 1, generator=g)
+        lengths = torch.full((L, 1, Hkv), n)
+        held = -(-n // P)
+        max_pages = torch.tensor([Hkv * r.randint(L, L * held) if structured else r.randint(0, L * Hkv * held)])
+        counts = alloc.allocate_pages(scores, lengths, max_pages, P)
+        assert int((-(-counts // P)).sum()) <= int(max_pages), f"seed {seed}: over the page budget"
+        assert ((counts % P == 0) | (counts == lengths)).all(), f"seed {seed}: not whole pages"
+        curves = scores[:, 0].sort(-1, descending=True).values  # [L, Hkv, n]
+        if structured:
+            assert (counts == counts[:, :, :1]).all() and (counts > 0).all(), f"seed {seed}: one count per layer"
+            composite = curves.mean(1)
+            composite[0] = composite.amax(0)
+            rows, got = composite, counts[:, 0, 0].tolist()
+            picks = itertools.product(range(1, held + 1), repeat=L)
+        else:
+            rows, got = curves.flatten(0, 1), counts[:, 0].flatten().tolist()
+            picks = itertools.product(range(held + 1), repeat=L * Hkv)
+        worth = lambda c: sum(float(rows[i, : c[i]].sum()) for i in range(len(c)))  # noqa: E731
+        best = max(worth([min(p * P, n) for p in pick]) for pick in picks
+                   if (Hkv if structured else 1) * sum(pick) <= int(max_pages))
+        assert worth(got) >= best - 1e-5, f"seed {seed}: {worth(got)} < {best}"
+
+
 def test_kvcompose_end_to_end_keeps_rank_aligned_tokens(llama, llama_cm):
     """Against the plain model's attention over [context, context]: every head of layer l keeps its own top-m_l
     tokens, m_l from kvpress's composite allocation; Sum_l m_l * Hkv is the budget; the copy is gone."""

@@ -289,8 +289,8 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
                         const uint8_t *restrict vc, const void *restrict vm, int vW, const int vgroups, const int vkind,
                         const float *restrict bias,
                         const int32_t *restrict table, const int32_t *restrict lengths, int BH, int G, const int D,
-                        int P, int NP, int chunk, int threads, float *restrict m_out, float *restrict l_out,
-                        float *restrict o_out) {
+                        int P, int NP, int chunk, int threads, int C_all, int c_first, float *restrict m_out,
+                        float *restrict l_out, float *restrict o_out) {
     const int C = (NP + chunk - 1) / chunk, Pv = (P + 15) / 16 * 16;
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
     for (int bh = 0; bh < BH; ++bh)
@@ -398,7 +398,7 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
                         }
                 }
             }
-            const int64_t at = ((int64_t)bh * C + c) * G;
+            const int64_t at = ((int64_t)bh * C_all + c_first + c) * G; /* this pool's chunks among all */
             for (int g = 0; g < G; ++g) {
                 m_out[at + g] = m[g];
                 l_out[at + g] = l[g];
@@ -437,16 +437,16 @@ static void merge_chunks(const float *m, const float *l, const float *o, int BH,
 /* Softmax attention of one decode query row per (KV head, query row g) over the pool rows the page table [BH, NP]
    lists, up to each head's length: out [BH, G, D] and its log-sum-exp lse [BH, G]. q [BH, G, D] is scaled already;
    qsum [BH, G, key groups]: each key group's sum of q (integer keys); bias [N * P] (or NULL): added to each row's
-   score. Each of C chunks of ``chunk`` pages keeps its own running state in scratch ([BH, C, G] twice, then
-   [BH, C, G, D]), merged at the end. */
+   score. Each of this pool's C chunks of ``chunk`` pages keeps its own running state in scratch ([BH, C_all, G]
+   twice, then [BH, C_all, G, D]) at chunks c_first .. c_first + C - 1 of C_all, so several pools (a head's rows in a
+   format pool and in model-dtype pages) fill one scratch; ``merge``: merge all C_all chunks into out and lse. */
 void pool_attend(const float *q, const float *qsum, const uint8_t *kc, const void *km, int kW, int kgroups,
                  int kkind, const uint8_t *vc, const void *vm, int vW, int vgroups, int vkind, const float *bias,
                  const int32_t *table, const int32_t *lengths, int BH, int G, int D, int P, int NP, int chunk,
-                 int threads, float *scratch, float *out, float *lse) {
-    const int C = (NP + chunk - 1) / chunk;
-    float *m_out = scratch, *l_out = scratch + (int64_t)BH * C * G, *o_out = scratch + 2 * (int64_t)BH * C * G;
+                 int threads, int C_all, int c_first, int merge, float *scratch, float *out, float *lse) {
+    float *m_out = scratch, *l_out = scratch + (int64_t)BH * C_all * G, *o_out = scratch + 2 * (int64_t)BH * C_all * G;
 #define ATTEND_D(k, v, d, kg, vg) attend_body(q, qsum, kc, km, kW, kg, k, vc, vm, vW, vg, v, bias, table, lengths, \
-                                              BH, G, d, P, NP, chunk, threads, m_out, l_out, o_out)
+                                              BH, G, d, P, NP, chunk, threads, C_all, c_first, m_out, l_out, o_out)
     /* common head dims as constants with the groups the shipped formats have (8 bits: 64 channels, fewer: 32), so
        the products over a row unroll; other dims and groups as they come */
 #define GROUPS(k, d) ((k) == 8 ? (d) / 64 : (k) >= 2 && (k) <= 4 ? (d) / 32 : 1)
@@ -469,5 +469,5 @@ void pool_attend(const float *q, const float *qsum, const uint8_t *kc, const voi
 #undef ATTEND_D
 #undef GROUPS
 #undef SHIPPED
-    merge_chunks(m_out, l_out, o_out, BH, G, D, C, threads, out, lse);
+    if (merge) merge_chunks(m_out, l_out, o_out, BH, G, D, C_all, threads, out, lse);
 }

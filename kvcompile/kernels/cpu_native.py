@@ -73,33 +73,38 @@ def serves(q: Tensor, keys: tuple, values: tuple) -> bool:
     return _plan(q, keys, values) is not None
 
 
-def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor,
-           bias: Tensor | None = None) -> tuple[Tensor, Tensor] | None:
+def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor, bias: Tensor | None = None,
+           more: tuple = ()) -> tuple[Tensor, Tensor] | None:
     """Softmax attention of q [B, Hkv, G, D] (scaled already) over each head's rows of the pools, in place and one
     pass: the output [B, Hkv, G, D] fp32 and its log-sum-exp [B, Hkv, G] (an empty head: 0 and -inf); None where
     the native decode does not read them (``serves``: the caller's path then serves). ``bias`` [N, P]: added to
-    each row's score (log-weights)."""
-    plan = _plan(q, keys, values)
-    if plan is None:
+    each row's score (log-weights). ``more``: further pools ``(keys, values, table, lengths)`` holding more of each
+    head's rows (a format pool's model-dtype pages): one softmax over them all, their states merged natively."""
+    pools = [(keys, values, table, lengths, bias), *((*pool, None) for pool in more)]
+    plans = [_plan(q, k, v) for k, v, *_ in pools]
+    if None in plans:
         return None
     B, Hkv, G, D = q.shape
-    (_, k, km), (_, v, vm) = keys, values
-    kk, vk, k_groups, v_groups = plan
-    q = q.float().contiguous()
-    qsum = q.unflatten(-1, (k_groups, -1)).sum(-1).contiguous() if 0 < kk < 32 else q  # integer keys only
-    NP = table.shape[-1]
-    chunk = max(4, min(CHUNK, NP * B * Hkv // (8 * torch.get_num_threads())))  # >= 8 chunks a thread where possible
-    chunks = max(1, -(-NP // chunk))
-    scratch, out, lse = q.new_empty(B * Hkv * chunks * G * (D + 2)), q.new_empty(B, Hkv, G, D), q.new_empty(B, Hkv, G)
-    empty = k.new_zeros(1)
-    held = (k.contiguous(), (empty if km is None else km).contiguous(), v.contiguous(),
-            (empty if vm is None else vm).contiguous(), None if bias is None else bias.float().contiguous(),
-            table.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous())
-    library().pool_attend(
-        _ptr(q), _ptr(qsum), _ptr(held[0]), _ptr(held[1]), k.shape[-1] * k.element_size(), k_groups, kk,
-        _ptr(held[2]), _ptr(held[3]), v.shape[-1] * v.element_size(), v_groups, vk,
-        None if held[4] is None else _ptr(held[4]), _ptr(held[5]), _ptr(held[6]), B * Hkv, G, D, k.shape[1], NP,
-        chunk, torch.get_num_threads(), _ptr(scratch), _ptr(out), _ptr(lse))
+    q, threads = q.float().contiguous(), torch.get_num_threads()
+    pools = [(pool, plan) for pool, plan in zip(pools, plans) if pool[2].shape[-1] > 0]  # a pool of no pages: no rows
+    pages = [pool[2].shape[-1] for pool, _ in pools]  # NP: the pages each head's table lists
+    chunks = [max(4, min(CHUNK, n * B * Hkv // (8 * threads))) for n in pages]  # >= 8 chunks a thread where possible
+    counts = [-(-n // chunk) for n, chunk in zip(pages, chunks)]
+    C = sum(counts)
+    scratch, out = q.new_empty(max(1, B * Hkv * C * G * (D + 2))), q.new_zeros(B, Hkv, G, D)
+    lse = q.new_full((B, Hkv, G), float("-inf"))
+    for i, (((_, k, km), (_, v, vm), table, lengths, bias), (kk, vk, k_groups, v_groups)) in enumerate(pools):
+        qsum = q.unflatten(-1, (k_groups, -1)).sum(-1).contiguous() if 0 < kk < 32 else q  # integer keys only
+        empty = k.new_zeros(1)
+        held = (k.contiguous(), (empty if km is None else km).contiguous(), v.contiguous(),
+                (empty if vm is None else vm).contiguous(), None if bias is None else bias.float().contiguous(),
+                table.to(torch.int32).contiguous(), lengths.to(torch.int32).contiguous())
+        library().pool_attend(
+            _ptr(q), _ptr(qsum), _ptr(held[0]), _ptr(held[1]), k.shape[-1] * k.element_size(), k_groups, kk,
+            _ptr(held[2]), _ptr(held[3]), v.shape[-1] * v.element_size(), v_groups, vk,
+            None if held[4] is None else _ptr(held[4]), _ptr(held[5]), _ptr(held[6]), B * Hkv, G, D, k.shape[1],
+            pages[i], chunks[i], threads, C, sum(counts[:i]), int(i == len(pools) - 1), _ptr(scratch),
+            _ptr(out), _ptr(lse))
     return out, lse
 
 

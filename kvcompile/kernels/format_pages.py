@@ -76,12 +76,13 @@ class FormatPages(NamedTuple):
             return mixed + p.sum(-1, keepdim=True) * basis[:, 2 * head_dim, None]
         return codec_of(self.v, self.v_meta, head_dim).mix(p, codes, meta)
 
-    def native_attention(self, q: Tensor, head_dim: int) -> tuple[Tensor, Tensor] | None:
+    def native_attention(self, q: Tensor, head_dim: int, more: tuple = ()) -> tuple[Tensor, Tensor] | None:
         """Attention of q [B, Hkv, G, D] (scaled) over the whole pool in one pass, each row read in place
         (``cpu_native``): the output [B, Hkv, G, D] and its log-sum-exp [B, Hkv, G]; None where that does not
-        serve this pool (then ``scores`` and ``mix`` do)."""
+        serve this pool (then ``scores`` and ``mix`` do). ``more``: the head's other pools, in one softmax with it
+        (``cpu_native.attend``)."""
         if self.latent:
             return None
         keys = (codec_of(self.k, self.k_meta, head_dim), self.k, self.k_meta)
         values = (codec_of(self.v, self.v_meta, head_dim), self.v, self.v_meta)
-        return cpu_native.attend(q, keys, values, self.table, self.lengths)
+        return cpu_native.attend(q, keys, values, self.table, self.lengths, more=more)

@@ -66,31 +66,62 @@ class KVComposeAllocator(Allocator):
     Unstructured: the top over every (layer, head, rank) of c, i.e. one global top-k (ragged per head). Ranks below
     ``keep_token_lower_bound`` (structured: below at least 1) are kept first.
 
-    Inferred: kvpress floors every layer at one token on top of its budget; here that floor comes out of it."""
+    ``whole_pages``: the competition is between whole pages, since a byte budget pays for them: structured, layer
+    l's p-th block of ranks (one page in each of its heads) is worth the sum of C_{l,r} over the block's ranks, and
+    the blocks worth most within the budget's pages are kept (C falls with r, so each layer keeps a prefix of its
+    ranks); unstructured, ``GlobalTopK``'s competition between pages. Without it, the engine rounds m_l down to
+    pages by partial-page size alone, which at 0.1 of SmolLM2's cache emptied whole layers (docs/kvpress.md).
+
+    Inferred: kvpress floors every layer at one token on top of its budget; here that floor comes out of it (with
+    ``whole_pages``, a layer's first page, as a token costs one)."""
 
     structured: bool = True
     agg_head: str = "mean"
     keep_token_lower_bound: int = 0
+    whole_pages: bool = False
 
     def __post_init__(self):
         if self.agg_head not in _AGGREGATES or self.keep_token_lower_bound < 0:
             raise ValueError(f"agg_head must be 'mean' or 'max' and keep_token_lower_bound >= 0, got "
                              f"{self.agg_head!r}, {self.keep_token_lower_bound}")
 
-    def allocate(self, scores, lengths, budget):
+    def _curves(self, scores):
+        """Each head's scores sorted descending, the kept-first ranks boosted; and, structured, the composite
+        curve [B, L, S] (-inf at ranks no head of the layer holds)."""
         L, B, Hkv, S = scores.shape
         curves = scores.sort(-1, descending=True).values  # -inf past each head's length
         held = curves > float("-inf")
         floor = max(self.keep_token_lower_bound, 1 if self.structured else 0)
-        boost = 1e9 * (torch.arange(S, device=scores.device) < floor)
+        curves = curves + 1e9 * (torch.arange(S, device=scores.device) < floor)
         if not self.structured:
-            return GlobalTopK().allocate(curves + boost, lengths, budget)
+            return curves, None
         if self.agg_head == "mean":  # [L, B, S], over the heads that hold rank r
             composite = curves.masked_fill(~held, 0.0).sum(2) / held.sum(2).clamp_min(1)
         else:
             composite = curves.amax(2)
-        composite = composite + boost
         composite[0] = composite.amax(0)
-        composite = composite.masked_fill(~held.any(2), float("-inf")).permute(1, 0, 2)  # [B, L, S]
+        return curves, composite.masked_fill(~held.any(2), float("-inf")).permute(1, 0, 2)
+
+    def allocate_pages(self, scores, lengths, max_pages, page_size):
+        if not self.whole_pages:
+            return None
+        curves, composite = self._curves(scores)
+        if composite is None:
+            return GlobalTopK(whole_pages=True).allocate_pages(curves, lengths, max_pages, page_size)
+        L, B, Hkv, S = scores.shape
+        n = -(-S // page_size)
+        worth = torch.nn.functional.pad(composite.clamp_min(0).double(), (0, n * page_size - S))
+        worth = worth.unflatten(-1, (n, page_size)).sum(-1)  # [B, L, n]
+        held = -(-lengths.long().amax(2).T // page_size)  # [B, L] the pages of the layer's longest head
+        worth = worth.masked_fill(torch.arange(n, device=scores.device) >= held[..., None], float("-inf"))
+        chosen = (pooled_rank(worth) < (max_pages // Hkv)[:, None]) & (worth.flatten(-2) > float("-inf"))
+        blocks = chosen.view(B, L, n).sum(-1).T  # [L, B]
+        return (blocks[..., None] * page_size).minimum(lengths.long())
+
+    def allocate(self, scores, lengths, budget):
+        L, B, Hkv, S = scores.shape
+        curves, composite = self._curves(scores)
+        if composite is None:
+            return GlobalTopK().allocate(curves, lengths, budget)
         chosen = (pooled_rank(composite).view(B, L, S) < (budget // Hkv)[:, None, None]) & (composite > float("-inf"))
         return chosen.sum(-1).T[..., None].expand(L, B, Hkv).minimum(lengths.long())
