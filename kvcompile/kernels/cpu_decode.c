@@ -42,9 +42,21 @@ INLINE float dot(const float *restrict q, const float *restrict x, int n) {
 }
 
 INLINE void unpack_plane(const uint8_t *restrict c, int width, int bits, float *restrict x) {
+    const int planes = 8 / bits, mask = (1 << bits) - 1;
+#ifdef __AVX512F__
+    if (planes > 1 && width % 16 == 0) { /* 16 bytes widened once, every plane shifted out of them */
+        for (int j = 0; j < width; j += 16) {
+            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + j)));
+            for (int i = 0; i < planes; ++i) {
+                const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(v, i * bits), _mm512_set1_epi32(mask));
+                _mm512_storeu_ps(x + i * width + j, _mm512_cvtepi32_ps(codes));
+            }
+        }
+        return;
+    }
+#else
     typedef uint8_t bytes16 __attribute__((vector_size(16)));
     typedef int32_t ints __attribute__((vector_size(64)));
-    const int planes = 8 / bits, mask = (1 << bits) - 1;
     if (planes == 4 && width % 16 == 0) { /* 2-bit planes: 16 bytes widened once, every plane shifted out of them */
         for (int j = 0; j < width; j += 16) {
             bytes16 b;
@@ -57,7 +69,8 @@ INLINE void unpack_plane(const uint8_t *restrict c, int width, int bits, float *
         }
         return;
     }
-    for (int i = 0; i < planes; ++i) /* the form the compiler vectorizes best for 8 and 4 bits (measured) */
+#endif
+    for (int i = 0; i < planes; ++i) /* 8 bits (the form the compiler vectorizes best), and 4 bits without AVX-512 */
         for (int j = 0; j < width; ++j) x[i * width + j] = (float)((c[j] >> (i * bits)) & mask);
 }
 
@@ -103,6 +116,34 @@ INLINE void unpack_row(const uint8_t *restrict c, int D, int kind, float *restri
     } else {
         unpack_plane(c, D * bits / 8, bits, x);
     }
+}
+
+/* Integer rows' group scales and minima for 16 rows (nr of them real; fp16 pairs, 2 * groups a row, the rows'
+   contiguous): scale[k][i], low[k][i] in fp32, 0 past nr. With AVX-512, widened 16 halves at a time and each group's
+   lanes gathered, instead of one conversion per value. */
+INLINE void grid16(const half *restrict m, int nr, const int groups, float (*restrict scale)[16],
+                   float (*restrict low)[16]) {
+#ifdef __AVX512BW__
+    float f[16 * MAX_D / 8]; /* 2 * groups <= D / 8 values a row */
+    const int n = nr * 2 * groups;
+    for (int j = 0; j < 32 * groups; j += 16) {
+        const __mmask16 real = n - j >= 16 ? 0xFFFF : n > j ? (__mmask16)((1u << (n - j)) - 1) : 0;
+        _mm512_storeu_ps(f + j, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(real, m + j)));
+    }
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(2 * groups));
+    for (int k = 0; k < groups; ++k) {
+        const __m512i at = _mm512_add_epi32(rows, _mm512_set1_epi32(2 * k));
+        _mm512_storeu_ps(scale[k], _mm512_i32gather_ps(at, f, 4));
+        _mm512_storeu_ps(low[k], _mm512_i32gather_ps(_mm512_add_epi32(at, _mm512_set1_epi32(1)), f, 4));
+    }
+#else
+    for (int k = 0; k < groups; ++k)
+        for (int i = 0; i < 16; ++i) {
+            scale[k][i] = i < nr ? (float)m[i * 2 * groups + 2 * k] : 0.0f;
+            low[k][i] = i < nr ? (float)m[i * 2 * groups + 2 * k + 1] : 0.0f;
+        }
+#endif
 }
 
 /* exp(x) for 16 lanes of x <= 0 (Cody-Waite reduction, degree-5 polynomial on [-ln2/2, ln2/2]: relative error
@@ -197,11 +238,7 @@ INLINE void score_tile(const uint8_t *restrict kc, const void *restrict km, int6
     float scale[MAX_D / 16][16], low[MAX_D / 16][16], dots[MAX_G][MAX_D / 16][16];
     for (int g = 0; g < G; ++g)
         for (int k = 0; k < groups; ++k) memset(dots[g][k], 0, sizeof dots[g][k]);
-    for (int k = 0; k < groups; ++k)
-        for (int i = 0; i < 16; ++i) {
-            scale[k][i] = i < nr ? (float)m[(row0 + i) * 2 * groups + 2 * k] : 0.0f;
-            low[k][i] = i < nr ? (float)m[(row0 + i) * 2 * groups + 2 * k + 1] : 0.0f;
-        }
+    grid16(m + row0 * 2 * groups, nr, groups, scale, low);
     for (int e0 = 0; e0 < E; e0 += 16) {
         const int ne = E - e0 < 16 ? E - e0 : 16;
         __m512i t[16];
@@ -220,7 +257,7 @@ INLINE void score_tile(const uint8_t *restrict kc, const void *restrict km, int6
                 for (int l = 0; l < LEVELS; ++l) acc[l] = _mm512_setzero_si512();
                 for (int e = 0; e <= ne; ++e) {
                     const int c = p * W + 4 * (e0 + e);
-                    if (e == ne || c / n != k) { /* a group's products done: into fp32 with the levels' scales */
+                    if (e == ne || c >= (k + 1) * n) { /* a group's products done: into fp32 with the levels' scales */
                         lanes sum = load(dots[g][k]);
                         for (int l = 0; l < LEVELS; ++l) {
                             const __m512 f = _mm512_cvtepi32_ps(acc[l]);
@@ -266,22 +303,6 @@ INLINE float score(const int kind, const float *restrict qg, const float *restri
         acc += (float)m[2 * k + 1] * sg[k];
     }
     return acc + sum_lanes(sum);
-}
-
-/* A value row's scale and minimum per group as fp32 (fp32 rows: 1 and 0; fp8: the row's scale times 256, as
-   ``e4m3_row`` leaves the codes), read once for every query row. */
-INLINE void value_grid(const int kind, const void *restrict meta, int64_t row, int groups, float *restrict scale,
-                       float *restrict low) {
-    if (kind == FP32 || kind == FP8) {
-        scale[0] = kind == FP8 ? 256.0f * ((const float *)meta)[row] : 1.0f;
-        low[0] = 0.0f;
-        return;
-    }
-    const half *m = (const half *)meta + row * 2 * groups;
-    for (int k = 0; k < groups; ++k) {
-        scale[k] = (float)m[2 * k];
-        low[k] = (float)m[2 * k + 1];
-    }
 }
 
 INLINE void attend_body(const float *restrict q, const float *restrict qsum, const uint8_t *restrict kc,
@@ -368,17 +389,18 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
                     const float *xs[16];
                     const int n = D / vgroups;
                     float sc[MAX_D / 16][16], lo[MAX_D / 16][16]; /* each group's scale and minimum, by row */
+                    const int integer = vkind != FP32 && vkind != FP8;
+                    if (integer) grid16((const half *)vm + (page * P + r0) * 2 * vgroups, nr, vgroups, sc, lo);
                     for (int i = 0; i < 16; ++i) {
                         const int64_t row = page * P + r0 + i;
-                        float scale[MAX_D / 16] = {0}, low[MAX_D / 16] = {0}; /* rows past nr: weighed 0 */
                         if (i < nr) {
                             xs[i] = vkind == FP32 ? (const float *)(vc + row * vW) : vb + i * D;
                             if (vkind != FP32) unpack_row(vc + row * vW, D, vkind, vb + i * D);
-                            value_grid(vkind, vm, row, vgroups, scale, low);
                         }
-                        for (int k = 0; k < vgroups; ++k) {
-                            sc[k][i] = scale[k];
-                            lo[k][i] = low[k];
+                        if (!integer) { /* fp32 and fp8 rows: one scale a row (fp8's times 256, as e4m3_row leaves
+                                           the codes), no minimum; rows past nr weigh 0 */
+                            sc[0][i] = i >= nr ? 0.0f : vkind == FP8 ? 256.0f * ((const float *)vm)[row] : 1.0f;
+                            lo[0][i] = 0.0f;
                         }
                     }
                     for (int g = 0; g < G; ++g) { /* the weights on the codes, 16 rows at once; p * m summed apart */
