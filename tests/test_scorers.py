@@ -65,6 +65,26 @@ class LargestTensor(TorchDispatchMode):
 
 
 # ---------------------------------------------------------------------------------------------- scorers
+@pytest.mark.parametrize("smoothing", ["max", "avg"])
+def test_snapkv_is_the_windows_mean_attention_smoothed(smoothing):
+    """SnapKV against its formula written out on fresh random shapes: the window's mean attention, averaged over
+    each GQA group, smoothed over 7 neighbours; "avg" as kvpress computes it (an average pool of the tokens before
+    the window, their scores alone, zeros past the edges); the window kept above everything."""
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    S, W, K = int(torch.randint(12, 40, (1,), generator=g)), 5, 7
+    obs = make_obs(B=2, Hkv=2, G=3, S=S, W=W, seed=seed)
+    scores = build("snapkv", window=W, kernel=K, smoothing=smoothing).score(obs)
+    mean = dense_attention(obs).mean(2).view(2, 2, 3, S).mean(2)  # [B, Hkv, S]
+    context = mean[..., : S - W]
+    if smoothing == "avg":
+        want = torch.nn.functional.pad(context, (K // 2, K // 2)).unfold(-1, K, 1).mean(-1)
+    else:
+        want = torch.stack([mean[..., max(0, j - K // 2): j + K // 2 + 1].amax(-1) for j in range(S - W)], -1)
+    torch.testing.assert_close(scores[..., : S - W], want, msg=lambda m: f"seed {seed}: {m}")
+    assert (scores[..., S - W:] == MAX).all(), f"seed {seed}: the window is kept"
+
+
 def test_tova_ranks_by_the_last_querys_attention():
     obs = make_obs(W=1)
     attn = dense_attention(obs)[:, :, -1]  # [B, Hq, S]

@@ -13,18 +13,22 @@ from .base import Observation, Scorer, protect, register_scorer
 @dataclass
 class SnapKV(Scorer):
     """Mean attention from the observation window (the last ``window`` queries of what was prefilled), pooled over
-    each GQA group (``pool`` = "mean" or "max"), smoothed by a max-pool of width ``kernel``; the window itself is
-    always kept. Query-agnostic when the context is compressed before the question is read."""
+    each GQA group (``pool`` = "mean" or "max"), smoothed over ``kernel`` neighbours; the window itself is always
+    kept. Query-agnostic when the context is compressed before the question is read. ``smoothing``: "max" (a
+    max-pool, the SnapKV paper's code) or "avg" (kvpress's: an average pool, zero-padded, over the tokens before the
+    window alone)."""
 
     window: int = 32
     kernel: int = 7
     pool: str = "mean"
+    smoothing: str = "max"
 
     def __post_init__(self):
         if self.window < 1 or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"window must be >= 1 and kernel a positive odd number, got {self.window}, {self.kernel}")
-        if self.pool not in ("mean", "max"):
-            raise ValueError(f"pool must be 'mean' or 'max', got {self.pool!r}")
+        if self.pool not in ("mean", "max") or self.smoothing not in ("max", "avg"):
+            raise ValueError(f"pool must be 'mean' or 'max' and smoothing 'max' or 'avg', got {self.pool!r}, "
+                             f"{self.smoothing!r}")
 
     @property
     def observation_window(self) -> int:
@@ -35,6 +39,10 @@ class SnapKV(Scorer):
         attn = obs.window_attention().mean(2)  # [B, Hq, S]
         grouped = attn.reshape(B, Hkv, -1, S)
         pooled = grouped.mean(2) if self.pool == "mean" else grouped.amax(2)
-        smooth = F.max_pool1d(pooled, self.kernel, stride=1, padding=self.kernel // 2)
         first_observed = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
-        return protect(smooth, obs.positions >= first_observed[:, None, None])
+        observed = obs.positions >= first_observed[:, None, None]
+        if self.smoothing == "avg":
+            smooth = F.avg_pool1d(pooled.masked_fill(observed, 0.0), self.kernel, stride=1, padding=self.kernel // 2)
+        else:
+            smooth = F.max_pool1d(pooled, self.kernel, stride=1, padding=self.kernel // 2)
+        return protect(smooth, observed)
