@@ -123,7 +123,7 @@ INLINE void unpack_row(const uint8_t *restrict c, int D, int kind, float *restri
    lanes gathered, instead of one conversion per value. */
 INLINE void grid16(const half *restrict m, int nr, const int groups, float (*restrict scale)[16],
                    float (*restrict low)[16]) {
-#ifdef __AVX512BW__
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
     float f[16 * MAX_D / 8]; /* 2 * groups <= D / 8 values a row */
     const int n = nr * 2 * groups;
     for (int j = 0; j < 32 * groups; j += 16) {
