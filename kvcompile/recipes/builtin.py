@@ -150,9 +150,8 @@ _BUILTIN = [
             "window": 8192},
            {"structured": True, "agg_head": "mean", "keep_token_lower_bound": 0, "whole_pages": True},
            version=3, source="https://arxiv.org/abs/2509.05165", provenance="peer",
-           inferred="the second pass is a context reconstruction (the context alone, its tokens dropped after); the "
-                    "one-token floor per layer comes out of the budget, not on top of it (a page with whole pages); "
-                    "layers compete for whole pages, not tokens"),
+           inferred="the second pass is a context reconstruction (the context alone, its tokens dropped after); "
+                    "layers compete for whole pages, each floored at one page out of the budget (kvpress: a token)"),
     Recipe("lukv", "expected-attention", "lukv",
            {"window": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.02}, version=2,
            source="https://arxiv.org/abs/2602.08585 (kvpress LUKVPress; uniform until calibration.lukv.calibrate "
