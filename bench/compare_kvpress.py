@@ -529,18 +529,21 @@ def _merge(args) -> None:
 
 
 def _save(args) -> None:
-    """Copy what both sides finished (kvpress's raw cells, kvcompile's stored rows as JSON) and the Q-Filters to
-    ``--keep``, so a grid that outlives one machine goes on from there (``restore``)."""
+    """Copy what both sides finished (kvpress's raw cells, kvcompile's stored rows as JSON, both gzipped) and the
+    Q-Filters to ``--keep``, so a grid that outlives one machine goes on from there (``restore``)."""
+    import gzip
+
     from kvcompile.eval.store import Store
 
     args.keep.mkdir(parents=True, exist_ok=True)
-    for name in ("kvpress_raw.json", "qfilters.json"):  # the filters both sides' QFilter cells read
-        (args.keep / name).write_text((args.dir / name).read_text())
+    (args.keep / "qfilters.json").write_text((args.dir / "qfilters.json").read_text())  # what QFilter cells read
     with Store(args.dir / "kvcompile.sqlite") as store:
         rows = store.rows()
-    (args.keep / "kvcompile_rows.json").write_text(json.dumps(rows))
-    print(f"kept {len(json.loads((args.dir / 'kvpress_raw.json').read_text())['cells'])} kvpress cells and "
-          f"{len(rows)} kvcompile rows in {args.keep}")
+    raw = (args.dir / "kvpress_raw.json").read_text()
+    for name, text in (("kvpress_raw.json.gz", raw), ("kvcompile_rows.json.gz", json.dumps(rows))):
+        with gzip.open(args.keep / name, "wt") as f:
+            f.write(text)
+    print(f"kept {len(json.loads(raw)['cells'])} kvpress cells and {len(rows)} kvcompile rows in {args.keep}")
 
 
 def _restore(args) -> None:
@@ -551,8 +554,11 @@ def _restore(args) -> None:
     import kvcompile
     from kvcompile.eval.store import KEY, VALUES, Store
 
-    for name in ("kvpress_raw.json", "qfilters.json"):  # the saved filters, not a recalibration, for the QFilter cells
-        (args.dir / name).write_text((args.keep / name).read_text())
+    import gzip
+
+    (args.dir / "qfilters.json").write_text((args.keep / "qfilters.json").read_text())  # not a recalibration
+    with gzip.open(args.keep / "kvpress_raw.json.gz", "rt") as f:
+        (args.dir / "kvpress_raw.json").write_text(f.read())
     n_layers = json.loads((args.dir / "model" / "config.json").read_text())["num_hidden_layers"]
     current = {"full": kvcompile.get_recipe("full")}
     for _, name in PAIRS:
@@ -562,7 +568,8 @@ def _restore(args) -> None:
             continue
         current[recipe.name] = recipe
     current = {name: (r.version, r.fingerprint) for name, r in current.items()}
-    rows = json.loads((args.keep / "kvcompile_rows.json").read_text())
+    with gzip.open(args.keep / "kvcompile_rows.json.gz", "rt") as f:
+        rows = json.load(f)
     for r in rows:
         version, fingerprint = current.get(r["recipe"], (None, None))
         if r["version"] == version:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 
@@ -65,7 +66,8 @@ def main():
     budgets = [float(b) for b in args.budgets.split(",")]
     data = json.loads((args.dir / "prompts.json").read_text())
     raw = json.loads((args.dir / "kvpress_raw.json").read_text())
-    shipped = json.loads((args.keep / "kvcompile_rows.json").read_text())
+    with gzip.open(args.keep / "kvcompile_rows.json.gz", "rt") as f:
+        shipped = json.load(f)
     model, tok = kvcompile.load_model(data["model"])
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     names = dict(compare_kvpress.PAIRS)
