@@ -91,8 +91,9 @@ def attend(q: Tensor, keys: tuple, values: tuple, table: Tensor, lengths: Tensor
     chunks = [max(4, min(CHUNK, n * B * Hkv // (8 * threads))) for n in pages]  # >= 8 chunks a thread where possible
     counts = [-(-n // chunk) for n, chunk in zip(pages, chunks)]
     C = sum(counts)
-    scratch, out = q.new_empty(max(1, B * Hkv * C * G * (D + 2))), q.new_zeros(B, Hkv, G, D)
-    lse = q.new_full((B, Hkv, G), float("-inf"))
+    if not pools:  # no pages anywhere: every head empty
+        return q.new_zeros(B, Hkv, G, D), q.new_full((B, Hkv, G), float("-inf"))
+    scratch, out, lse = q.new_empty(B * Hkv * C * G * (D + 2)), q.new_empty(B, Hkv, G, D), q.new_empty(B, Hkv, G)
     for i, (((_, k, km), (_, v, vm), table, lengths, bias), (kk, vk, k_groups, v_groups)) in enumerate(pools):
         qsum = q.unflatten(-1, (k_groups, -1)).sum(-1).contiguous() if 0 < kk < 32 else q  # integer keys only
         empty = k.new_zeros(1)

@@ -208,21 +208,14 @@ def _dense_state(qg, dense) -> tuple[Tensor, Tensor]:
 
 def _native_two_pools(q, pages: tuple, stored: FormatPages, scale: float) -> Tensor | None:
     """A decode step over a layer's format pool and its model-dtype pages (``pages``: ``gather_dense``'s
-    arguments), both read in place by ``cpu_native`` in one softmax where it reads them (the model-dtype pages: in
-    fp32); else the format pool natively and the pages gathered and attended in PyTorch, the two states merged by
-    log-sum-exp. None, with nothing computed, where the native decode does not read the format pool
-    (``stored_decode`` then serves)."""
+    arguments), both read in place by ``cpu_native`` in one softmax; None, with nothing computed, where it does not
+    read both (``stored_decode`` then serves: the format pool natively where it can, the pages in PyTorch)."""
     B, Hq, _, D = q.shape
     k_pages, v_pages, _, page_table, lengths, _ = pages
     qg = q.float().view(B, page_table.shape[1], -1, D) * scale
     dense = ((None, k_pages, None), (None, v_pages, None), page_table, lengths)
     state = stored.native_attention(qg, D, more=(dense,))
-    if state is None:
-        pool = stored.native_attention(qg, D)
-        if pool is None:
-            return None
-        state = _merge(*pool, *_dense_state(qg, gather_dense(*pages)))
-    return state[0].view(B, Hq, 1, D).to(q.dtype)
+    return None if state is None else state[0].view(B, Hq, 1, D).to(q.dtype)
 
 
 def _partial(q, q_pos, keys, values, k_pos, valid, scale: float, window: int):
