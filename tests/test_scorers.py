@@ -193,6 +193,7 @@ def test_criticalkv_reweights_by_value_norm_and_keeps_its_first_stage():
     query[..., 0] = 1.0
     values = torch.ones(1, 1, S, 8)
     obs = make_obs(Hkv=1, G=1, S=S, W=1, keys=keys, values=values, queries=query)
+    obs.weights["o_proj"] = torch.eye(8)  # W_o = identity: ||W_o v||_1 = ||v||_1
     critical = build("criticalkv", base="tova", base_args={"pool": "group"}, first_stage_ratio=0.5)
     base = build("tova", pool="group").score(obs)
     assert torch.equal(critical.score(obs).argsort(descending=True), base.argsort(descending=True))
@@ -206,6 +207,25 @@ def test_criticalkv_reweights_by_value_norm_and_keeps_its_first_stage():
     for k in range(1, S + 1):
         first = set(base_order[: k // 2].tolist())
         assert first <= set(order[:k].tolist()), f"top-{k} misses the base's top {k // 2}"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_criticalkv_weighs_values_through_the_output_projection_as_kvpress(seed):
+    """The second stage ranks by (base + epsilon) * ||W_o v||_1, the value through each query head's slice of W_o,
+    averaged over a KV head's query heads: kvpress's ``CriticalKVPress.vwl1norm``, restated with one loop per query
+    head. With first_stage_ratio 0 the ranking is the second stage's alone."""
+    Hkv, G, S, D, hidden = 2, 3, 40, 8, 12
+    obs = make_obs(Hkv=Hkv, G=G, S=S, D=D, seed=seed)
+    w_o = torch.randn(hidden, Hkv * G * D, generator=torch.Generator().manual_seed(100 + seed))
+    obs.weights["o_proj"] = w_o
+    base = build("tova", pool="group").score(obs)
+    norms = torch.stack([torch.stack([(obs.values[:, h] @ w_o[:, (h * G + g) * D:(h * G + g + 1) * D].T).abs().sum(-1)
+                                      for g in range(G)]).mean(0) for h in range(Hkv)], 1)  # [B, Hkv, S]
+    expected = ((base + 1e-4) * norms).argsort(-1, descending=True)
+    critical = build("criticalkv", base="tova", base_args={"pool": "group"}, first_stage_ratio=0.0)
+    assert torch.equal(critical.score(obs).argsort(-1, descending=True), expected), f"seed {seed}"
+    plain = build("criticalkv", base="tova", base_args={"pool": "group"}, first_stage_ratio=0.0, projected=False)
+    assert not torch.equal(plain.score(obs).argsort(-1, descending=True), expected), "W_o made no difference"
 
 
 def test_two_stage_scores_keep_the_heads_apart(llama_cm):

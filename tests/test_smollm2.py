@@ -41,3 +41,21 @@ def test_matches_transformers_greedy(smollm2):
     with torch.no_grad():
         theirs = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert torch.equal(ours[:, : theirs.shape[1]], theirs)
+
+
+def test_demo_answers_and_reports_both_caches(capsys):
+    """The README's first command, as a user runs it: the pass key, both rows, the held bytes at about the budget
+    (adakv-snapkv 0.5), and a decode rate taken over the steps after the first, which also sets the decode up."""
+    from kvcompile import cli
+
+    assert cli.main(["demo"]) == 0
+    out, err = capsys.readouterr()
+    key = out.split("pass key: ")[1].split()[0]
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("full ", "adakv-snapkv "))}
+    assert set(rows) == {"full", "adakv-snapkv"}, out
+    for name, row in rows.items():
+        assert key in row[2], f"{name} answered {row[2]!r}, the pass key is {key}"
+        held_over_full, tok_s, first_s = (float(v) for v in row[-4:-3] + row[-2:])
+        assert tok_s > 0 and first_s > 0
+    assert 0.4 < float(rows["adakv-snapkv"][-4]) <= 0.5 and float(rows["full"][-4]) >= 1.0
+    assert "the steps after the first" in err

@@ -9,7 +9,7 @@ from .recipe import Recipe
 
 _SNAPKV_WINDOW = "window 32 and a max-pool of 7 instead of kvpress's 64 and average of 5"
 _POST_ROPE_STATS = "query mean and covariance from the last 512 queries (rotated back before RoPE); kvpress: every one"
-_CRITICAL = "the L1 norm of v for that of W_o v, as scorers see no weights; the two stages merged into one ranking"
+_CRITICAL = "the two stages merged into one ranking (each top-k holds about the first stage's share)"
 _INERTIA = "the method from a full-text summary; per-(layer, head) state; evicts every 16 steps, recent 32, 4 sinks"
 
 _BUILTIN = [
@@ -59,12 +59,12 @@ _BUILTIN = [
         scorer_args={
             "base": "snapkv", "base_args": {"window": 32, "kernel": 7}, "epsilon": 1e-4, "first_stage_ratio": 0.5,
         },
-        version=3, source="https://arxiv.org/abs/2502.03805", provenance="peer", inferred=_CRITICAL,
+        version=4, source="https://arxiv.org/abs/2502.03805", provenance="peer", inferred=_CRITICAL,
     ),
     Recipe(
         "adakv-criticalkv", "criticalkv", "adakv",
         {"base": "snapkv", "base_args": {"window": 32, "kernel": 7}, "epsilon": 1e-4, "first_stage_ratio": 0.5},
-        {"alpha_safeguard": 0.2}, version=3,
+        {"alpha_safeguard": 0.2}, version=4,
         source="https://arxiv.org/abs/2502.03805 (CriticalAdaKV)", provenance="peer", inferred=_CRITICAL,
     ),
     Recipe(
