@@ -524,8 +524,61 @@ def _merge(args) -> None:
             f" | {fmt(r.get('kvpress_top1'), '.2f')} | {fmt(mib(r.get('kvcompile_bytes_held')), '.2f')}"
             f" | {fmt(mib(r.get('kvpress_bytes_held')), '.2f')} | {fmt(r.get('kvcompile_s_per_prompt'), '.1f')}"
             f" | {fmt(r.get('kvpress_s_per_prompt'), '.1f')} | {note} |")
+    lines += ["", *_pivot(rows, args.budgets)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot([r for r in rows if r["method"] != "full"], out.with_suffix(".png"))
     print("\n".join(lines))
+
+
+def _pivot(rows: list[dict], budgets: list[float]) -> list[str]:
+    """The table above, one line per press: KL (kvcompile / kvpress) at each budget, and the MiB each holds at the
+    middle one (kvpress's masks counted)."""
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    mid = sorted(budgets)[len(budgets) // 2]
+    head = " | ".join(f"KL at {b:g}" for b in budgets)
+    lines = [f"By press: next-token KL, kvcompile / kvpress; MiB held at {mid:g}.", "",
+             f"| method | {head} | MiB at {mid:g} |", "|---|" + "---|" * (len(budgets) + 1)]
+    for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
+        cells = {r["budget"]: r for r in rows if r["method"] == method}
+        kl = [fmt(cells.get(b, {}).get("kvcompile_kl"), ".3f") + " / " + fmt(cells.get(b, {}).get("kvpress_kl"), ".3f")
+              for b in budgets]
+        held = [fmt(None if cells.get(mid, {}).get(f"{side}_bytes_held") is None
+                    else cells[mid][f"{side}_bytes_held"] / 2**20, ".2f") for side in ("kvcompile", "kvpress")]
+        lines.append(f"| {method} | {' | '.join(kl)} | {' / '.join(held)} |")
+    return lines
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Two panels, a point per (press, budget) both sides ran: next-token KL of kvcompile against kvpress's (on the
+    diagonal they agree), and the bytes each holds (kvpress's masked presses sit far right of the budget)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
+    colors = {0.5: "tab:blue", 0.25: "tab:orange", 0.1: "tab:red"}
+    for ax, key, label in ((axes[0], "kl", "next-token KL vs the full cache"),
+                           (axes[1], "bytes_held", "K/V MiB held per prompt")):
+        scale = 2**-20 if key == "bytes_held" else 1.0
+        pts = [(r[f"kvpress_{key}"] * scale, r[f"kvcompile_{key}"] * scale, r["budget"], r["method"]) for r in rows
+               if r.get(f"kvpress_{key}") is not None and r.get(f"kvcompile_{key}") is not None]
+        for budget, color in colors.items():
+            xs = [(x, y) for x, y, b, _ in pts if b == budget]
+            if xs:
+                ax.scatter(*zip(*xs), s=18, color=color, label=f"budget {budget:g}")
+        for x, y, _, name in pts:  # name the points off the diagonal: KL apart by over 0.05, bytes by over a quarter
+            if abs(y - x) > (0.05 if key == "kl" else 0.25 * max(x, y)):
+                ax.annotate(name, (x, y), fontsize=6, alpha=0.8)
+        top = max(max(x, y) for x, y, _, _ in pts) * 1.05 if pts else 1.0
+        ax.plot([0, top], [0, top], "k:", lw=1)
+        ax.set_xlabel(f"kvpress: {label}")
+        ax.set_ylabel(f"kvcompile: {label}")
+        ax.legend(fontsize=8)
+    axes[0].set_title("Same prompts, same budget: where the two libraries agree")
+    axes[1].set_title("Bytes really held (kvpress's masks counted)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def _save(args) -> None:

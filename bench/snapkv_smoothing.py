@@ -54,8 +54,12 @@ def main():
     p.add_argument("--dir", type=Path, default=Path("/tmp/kvc/kvpress"), help="compare_kvpress.py's --dir")
     p.add_argument("--keep", type=Path, default=RESULTS / "kvpress_grid", help="where kvcompile's rows were saved")
     p.add_argument("--budgets", default="0.25,0.1")
+    p.add_argument("--presses", default=",".join(PRESSES), help="comma-separated, from PRESSES (default: all)")
     p.add_argument("--out", default=str(RESULTS / "snapkv_smoothing"))
     args = p.parse_args()
+    presses = args.presses.split(",")
+    if set(presses) - set(PRESSES):
+        p.error(f"not in the SnapKV family here: {sorted(set(presses) - set(PRESSES))}; known: {PRESSES}")
     import torch
 
     import kvcompile
@@ -72,7 +76,7 @@ def main():
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     names = dict(compare_kvpress.PAIRS)
     recipes = {press: compare_kvpress._recipe(names[press], model.config.num_hidden_layers, args.dir)
-               for press in PRESSES}
+               for press in presses}
     variants = {press: averaged(r) for press, r in recipes.items()}
     with Store(args.dir / "smoothing.sqlite") as store:
         sweep.run(cm, tok, list(variants.values()), budgets, data["tasks"].split(","), n_samples=data["n_samples"],
@@ -80,7 +84,7 @@ def main():
                   ledger_mass=False)
         rows = store.rows()
     table = []
-    for press in PRESSES:
+    for press in presses:
         for budget in budgets:
             cell = next(c for c in raw["cells"] if c["press"] == press and c["budget"] == budget)
             ours = per_prompt(shipped, data, recipes[press].name, budget, recipes[press].version)
