@@ -39,9 +39,11 @@ def cases(text: str) -> list[tuple[str, float, int]]:
 
 
 def kept_rows(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """[Hkv, n] True where a row of ``before`` [1, Hkv, n, D] is among the rows of ``after`` [1, Hkv, m, D] (a press
-    that rewrites the rows it keeps, KeyRerotation or Merging, matches none: it is not for this probe)."""
-    return torch.stack([(after[0, h][:, None] == before[0, h][None]).all(-1).any(0) for h in range(before.shape[1])])
+    """[Hkv, n] True where a row of ``before`` [1, Hkv, n, D] is among the rows of ``after`` [1, Hkv, m, D], to a
+    relative 1e-4 (a press that prefills again, KVCompose, computes its rows in another attention implementation; a
+    press that rewrites the rows it keeps, KeyRerotation or Merging, matches none: it is not for this probe)."""
+    near = torch.cdist(after[0].double(), before[0].double()) <= 1e-4 * before[0].double().norm(dim=-1)[:, None]
+    return near.any(1)
 
 
 @torch.no_grad()
