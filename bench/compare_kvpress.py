@@ -240,6 +240,17 @@ def _prompt_key(data: dict) -> dict:
     return {k: data[k] for k in ("model", "length", "seed", "n_samples", "tasks")}
 
 
+def per_prompt(rows, data, name, budget, version=None):
+    """{prompt index: (score, KL mean, KL tokens)} of one recipe's stored rows (the prompts step's order)."""
+    index, seen = {}, {}
+    for i, q in enumerate(data["prompts"]):  # a task's samples in order
+        index[(q["task"], seen.get(q["task"], 0))] = i
+        seen[q["task"]] = seen.get(q["task"], 0) + 1
+    return {index[(r["task"], r["sample"])]: (r["score"], r["kl_mean"], r["kl_tokens"]) for r in rows
+            if r["recipe"] == name and float(r["budget"]) == budget and not r["error"]
+            and (version is None or r["version"] == version) and (r["task"], r["sample"]) in index}
+
+
 def _held_bytes(model, cache) -> int:
     """Bytes of every tensor the cache keeps, plus the eviction masks presses leave on attention modules."""
     import torch
@@ -473,6 +484,11 @@ def _kvcompile(args) -> None:
         _merge(args)
 
 
+def _fmt(value, spec: str) -> str:
+    """A table cell: ``value`` formatted, or "-" where a side has none."""
+    return "-" if value is None else format(value, spec)
+
+
 def _merge(args) -> None:
     data = json.loads((args.dir / "prompts.json").read_text())
     raw = json.loads((args.dir / "kvpress_raw.json").read_text())
@@ -506,7 +522,6 @@ def _merge(args) -> None:
             "seed": data["seed"], "budgets": args.budgets, "kvpress": raw["kvpress"],
             "transformers_for_kvpress": raw["transformers"], "kvcompile": ours["kvcompile"]}
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     lines = [f"kvcompile vs kvpress {raw['kvpress']} on {data['model']}, {data['tasks']} @ {data['length']} tokens, "
              f"{data['n_samples']} samples per task, query-agnostic. Bytes: K/V held per prompt after compressing the "
              "context (kvpress: cache tensors + masks). Seconds: per prompt, prefill + compress + answer "
@@ -519,11 +534,11 @@ def _merge(args) -> None:
         mib = lambda v: None if v is None else v / 2**20  # noqa: E731
         note = "; ".join(e for e in (r.get("kvcompile_error"), r.get("kvpress_error")) if e).replace("|", "/")
         lines.append(
-            f"| {r['method']} | {r['budget']:g} | {fmt(r.get('kvcompile_score'), '.2f')} | {fmt(r.get('kvpress_score'), '.2f')}"
-            f" | {fmt(r.get('kvcompile_kl'), '.3f')} | {fmt(r.get('kvpress_kl'), '.3f')} | {fmt(r.get('kvcompile_top1'), '.2f')}"
-            f" | {fmt(r.get('kvpress_top1'), '.2f')} | {fmt(mib(r.get('kvcompile_bytes_held')), '.2f')}"
-            f" | {fmt(mib(r.get('kvpress_bytes_held')), '.2f')} | {fmt(r.get('kvcompile_s_per_prompt'), '.1f')}"
-            f" | {fmt(r.get('kvpress_s_per_prompt'), '.1f')} | {note} |")
+            f"| {r['method']} | {r['budget']:g} | {_fmt(r.get('kvcompile_score'), '.2f')} | {_fmt(r.get('kvpress_score'), '.2f')}"
+            f" | {_fmt(r.get('kvcompile_kl'), '.3f')} | {_fmt(r.get('kvpress_kl'), '.3f')} | {_fmt(r.get('kvcompile_top1'), '.2f')}"
+            f" | {_fmt(r.get('kvpress_top1'), '.2f')} | {_fmt(mib(r.get('kvcompile_bytes_held')), '.2f')}"
+            f" | {_fmt(mib(r.get('kvpress_bytes_held')), '.2f')} | {_fmt(r.get('kvcompile_s_per_prompt'), '.1f')}"
+            f" | {_fmt(r.get('kvpress_s_per_prompt'), '.1f')} | {note} |")
     lines += ["", *_pivot(rows, args.budgets)]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot([r for r in rows if r["method"] != "full"], out.with_suffix(".png"))
@@ -533,17 +548,16 @@ def _merge(args) -> None:
 def _pivot(rows: list[dict], budgets: list[float]) -> list[str]:
     """The table above, one line per press: KL (kvcompile / kvpress) at each budget, and the MiB each holds at the
     middle one (kvpress's masks counted)."""
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     mid = sorted(budgets)[len(budgets) // 2]
     head = " | ".join(f"KL at {b:g}" for b in budgets)
     lines = [f"By press: next-token KL, kvcompile / kvpress; MiB held at {mid:g}.", "",
              f"| method | {head} | MiB at {mid:g} |", "|---|" + "---|" * (len(budgets) + 1)]
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
         cells = {r["budget"]: r for r in rows if r["method"] == method}
-        kl = [fmt(cells.get(b, {}).get("kvcompile_kl"), ".3f") + " / " + fmt(cells.get(b, {}).get("kvpress_kl"), ".3f")
+        kl = [_fmt(cells.get(b, {}).get("kvcompile_kl"), ".3f") + " / " + _fmt(cells.get(b, {}).get("kvpress_kl"), ".3f")
               for b in budgets]
-        held = [fmt(None if cells.get(mid, {}).get(f"{side}_bytes_held") is None
-                    else cells[mid][f"{side}_bytes_held"] / 2**20, ".2f") for side in ("kvcompile", "kvpress")]
+        held = [cells.get(mid, {}).get(f"{side}_bytes_held") for side in ("kvcompile", "kvpress")]
+        held = [_fmt(None if b is None else b / 2**20, ".2f") for b in held]
         lines.append(f"| {method} | {' | '.join(kl)} | {' / '.join(held)} |")
     return lines
 

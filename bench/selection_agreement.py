@@ -100,7 +100,7 @@ def kvcompile_step(args) -> None:
     cm = kvcompile.apply(source, budget=1.0, recipe="full")
     eos = {t for t in (tok.eos_token_id, getattr(cm.generation_config, "eos_token_id", None)) if isinstance(t, int)}
     pairs = dict(grid.PAIRS)
-    rows = []
+    rows, documents = [], {}  # the plain model's cache of each prompt's context, read once
     for name, budget, index in cases(args.cases):
         prompt = data["prompts"][index]
         ctx, n = ids_tensor(prompt["context"], cm.device), len(prompt["context"])
@@ -111,7 +111,9 @@ def kvcompile_step(args) -> None:
         ours, theirs = masked.kept(model.held_positions(), n), theirs_all[(name, budget, index)]
         tokens = greedy(model, read_question(model, prompt["question"]), prompt["max_new_tokens"], eos_ids=eos)
         score = lambda ids: string_match_all(prompt["answers"], tok.decode(ids, skip_special_tokens=True))  # noqa
-        plain, read = masked.document(source, ctx), {}
+        if index not in documents:
+            documents[index] = masked.document(source, ctx)
+        plain, read = documents[index], {}
         for side, keep in (("kvcompile", ours), ("kvpress", theirs)):
             reader = masked.MaskedModel(source, keep, plain)
             with masked.masking(source):
@@ -154,24 +156,21 @@ def write(rows: list[dict], out: Path, command: str, threads: int) -> None:
 def diffs_step(args) -> None:
     """The cases where kvpress's raw cell and kvcompile's stored rows (the recipe's current version) score a prompt
     differently, as ``--cases`` reads them."""
-    import sqlite3
+    from kvcompile.eval.store import Store
 
     data = json.loads((args.dir / "prompts.json").read_text())
-    order = [(p["task"], p["index"]) for p in data["prompts"]]
     raw = json.loads((args.dir / "kvpress_raw.json").read_text())["cells"]
-    store = sqlite3.connect(args.dir / "kvcompile.sqlite")
+    with Store(args.dir / "kvcompile.sqlite") as store:
+        rows = store.rows()
+    n_layers = json.loads((args.dir / "model" / "config.json").read_text())["num_hidden_layers"]
     out = []
     for press, name in grid._selected(args):
-        recipe = grid._recipe(name, json.loads((args.dir / "model" / "config.json").read_text())["num_hidden_layers"],
-                              args.dir)
+        recipe = grid._recipe(name, n_layers, args.dir)
         for cell in raw:
-            if cell["press"] != press or len(cell["scores"]) != len(order):
+            if cell["press"] != press or len(cell["scores"]) != len(data["prompts"]):
                 continue
-            ours = {(t, s): v for t, s, v in store.execute(
-                "select task, sample, score from results where recipe=? and budget=? and version=? order by created",
-                (recipe.name, cell["budget"], recipe.version))}
-            out += [f"{press}:{cell['budget']}:{i}" for i, key in enumerate(order)
-                    if key in ours and ours[key] != cell["scores"][i]]
+            ours = grid.per_prompt(rows, data, recipe.name, cell["budget"], recipe.version)
+            out += [f"{press}:{cell['budget']}:{i}" for i in sorted(ours) if ours[i][0] != cell["scores"][i]]
     print(",".join(out))
 
 

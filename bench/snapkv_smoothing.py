@@ -38,17 +38,6 @@ def averaged(recipe):
     return dataclasses.replace(recipe, name=f"{recipe.name}~avg", scorer_args=args)
 
 
-def per_prompt(rows, data, name, budget, version=None):
-    """{prompt index: (score, KL mean, KL tokens)} of one recipe's stored rows (the prompts step's order)."""
-    index, seen = {}, {}
-    for i, q in enumerate(data["prompts"]):  # a task's samples in order
-        index[(q["task"], seen.get(q["task"], 0))] = i
-        seen[q["task"]] = seen.get(q["task"], 0) + 1
-    return {index[(r["task"], r["sample"])]: (r["score"], r["kl_mean"], r["kl_tokens"]) for r in rows
-            if r["recipe"] == name and float(r["budget"]) == budget and not r["error"]
-            and (version is None or r["version"] == version) and (r["task"], r["sample"]) in index}
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, default=Path("/tmp/kvc/kvpress"), help="compare_kvpress.py's --dir")
@@ -87,8 +76,8 @@ def main():
     for press in presses:
         for budget in budgets:
             cell = next(c for c in raw["cells"] if c["press"] == press and c["budget"] == budget)
-            ours = per_prompt(shipped, data, recipes[press].name, budget, recipes[press].version)
-            avg = per_prompt(rows, data, variants[press].name, budget)
+            ours = compare_kvpress.per_prompt(shipped, data, recipes[press].name, budget, recipes[press].version)
+            avg = compare_kvpress.per_prompt(rows, data, variants[press].name, budget)
             row = {"press": press, "budget": budget, "score_kvpress": sum(cell["scores"]) / len(cell["scores"]),
                    "kl_kvpress": sum(cell["kl"]) / len(cell["kl"])}
             for key, got in (("max", ours), ("avg", avg)):
