@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from .budget import Budget
 from .cache import PagedKVCache
+from .kernels.formats import get_format
 from .methods.spectra import Moments
 from .model import CompressedModel
 from .programs import Programs
@@ -66,17 +67,18 @@ def _example(cm: CompressedModel, tokens: int, ring: int):
 
 
 _RANGES = {"batch": (1, 4096), "tokens": (1, 1 << 20), "pages": (2, 1 << 24), "width": (2, 1 << 20),
-           "ring": (0, 1 << 20), "fmt_pages": (2, 1 << 24), "fmt_width": (2, 1 << 20), "lw_pages": (2, 1 << 24)}
+           "ring": (0, 1 << 20), "fmt_pages": (2, 1 << 24), "fmt_width": (2, 1 << 20), "lw_pages": (2, 1 << 24),
+           "anchors": (2, 1 << 20), "residuals": (0, 1 << 24)}
 
 
-def _dynamic_shapes(decode: bool, formatted: bool, weighted: bool):
+def _dynamic_shapes(decode: bool, formatted: bool, weighted: bool, anchored: bool):
     """``signature.INPUTS``' varying sizes as ``torch.export`` dimensions. A decode program has one token and a
     fixed ring (the recipe's decode window: its op writes the ring only when there is one); the prefill op is
-    opaque, so its ring may be any length, 0 included. Without a page format the format pool is empty (static), and
-    without weighted entries the log-weight channel is."""
+    opaque, so its ring may be any length, 0 included. Without a page format the format pool is empty (static),
+    without AnchorKV's rows its tables are, and without weighted entries the log-weight channel is."""
     dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in _RANGES.items()}
     static = ((("tokens", "ring") if decode else ()) + (() if formatted else ("fmt_pages", "fmt_width"))
-              + (() if weighted else ("lw_pages",)))
+              + (() if anchored else ("anchors", "residuals")) + (() if weighted else ("lw_pages",)))
     return tuple({d: dims[n] for d, n in i.dims if n not in static} for i in INPUTS)
 
 
@@ -103,7 +105,8 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         example = _example(cm, 1 if decode else 8, cm.decode_window if decode else 2)
         file = out / f"{name}{_SUFFIX[backend]}"
         with torch.no_grad():
-            shapes = _dynamic_shapes(decode, cm.recipe.format is not None, cm.cache.weighted)
+            fmt = cm.recipe.format
+            shapes = _dynamic_shapes(decode, fmt is not None, cm.cache.weighted, bool(fmt and get_format(fmt).anchored))
             ep = torch.export.export(program, example, dynamic_shapes=shapes, strict=False)
             if backend == "aoti":
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(file))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import anchoring
 from .cache import PagedKVCache
 from .kernels.formats import PrunedCodec, get_format
 from .methods import Allocator, Scorer
@@ -189,6 +190,9 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     which the allocator then shares among what is still visible (on a hybrid model, mostly the global layers)."""
     precise_recent, anchors = recipe.precise_recent, recipe.precise_anchors
     check_fits(cache, recipe, scorer, budget_bytes, cache.seen)
+    if anchoring.is_anchored(cache):  # AnchorKV evicts nothing: every token is encoded against its anchors
+        cache.keep(anchoring.plan(cache, layers, budget_bytes))
+        return
     held = cache.held().long()
     recent = cache.precise(precise_recent, anchors)
     n_recent = recent.sum(-1)
@@ -239,6 +243,12 @@ def check_fits(cache: PagedKVCache, recipe, scorer: Scorer | None, budget_bytes:
     held, precise = cache.counts_after(window, anchors, seen, fresh)
     recent = cache.pages_held(precise).sum(dim=(0, 2)) * cache.page_bytes
     budget = f"the budget ({int(budget_bytes.min())} bytes in a sequence)"
+    if anchoring.is_anchored(cache):
+        need = anchoring.base_bytes(cache, held)
+        if bool((need > budget_bytes).any()):
+            raise ValueError(f"AnchorKV's anchors and the rows of every token need {int(need.max())} bytes in a "
+                             f"sequence, over {budget}; raise the budget")
+        return
     if bool((recent > budget_bytes).any()):
         what = f" and every {anchors}th page (precise_anchors)" if anchors else ""
         raise ValueError(f"the newest {window} tokens in the model's dtype (precise_recent){what} alone exceed "

@@ -114,7 +114,7 @@ def _attend(
     q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt, layer,
     scale, window, packed, decode,
 ):
-    stored = reference.FormatPages(*fmt[:5], fmt[5][layer], fmt[6][layer], fmt[7][layer])
+    stored = reference.FormatPages(*fmt[:5], *(t[layer] for t in fmt[5:]))
     backend = decode_backend() if decode else "auto"
     if backend == "flex":
         _refuse_flex(stored)
@@ -132,7 +132,7 @@ def _attend(
         return out.contiguous()
     if backend == "flex":
         return _flex_decode(args, page_lw)
-    if backend == "auto" and _on_gpu(q) and not stored.latent:  # SPECTRA's rows: the PyTorch path below
+    if backend == "auto" and _on_gpu(q) and not stored.decoded:  # SPECTRA's, AnchorKV's rows: PyTorch below
         # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
 
@@ -162,14 +162,16 @@ def _first_chunk(q_pos, lengths, stored, window) -> bool:
 def format_attention(
     q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor,
     lengths: Tensor, scale: float, window: int, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor,
-    fmt_pos: Tensor, fmt_table: Tensor, fmt_lengths: Tensor, fmt_basis: Tensor, first_page: int,
+    fmt_pos: Tensor, fmt_table: Tensor, fmt_lengths: Tensor, fmt_basis: Tensor, fmt_anchors: Tensor,
+    fmt_residuals: Tensor, first_page: int,
 ) -> Tensor:
     """A decode step's attention over one layer's two pools on the PyTorch path (``reference.paged_attention`` with
     ``stored``; ``first_page`` -1: not packed). Opaque to ``torch.compile``: traced, the pool would be one tile (a
     loop over its width would specialise on it) and every layer's decoding code would be compiled (SmolLM2's first
     compile ran past 5 minutes); as one call it runs the eager two-pass tiles, which beat Inductor's code for the
     fused reduction here (``docs/results.md``, "Page formats")."""
-    stored = reference.FormatPages(fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths, fmt_basis)
+    stored = reference.FormatPages(fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths, fmt_basis,
+                                   fmt_anchors, fmt_residuals)
     return reference.paged_attention(q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, scale, window,
                                      first_page=None if first_page < 0 else first_page, stored=stored).contiguous()
 
@@ -221,9 +223,11 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, lengths: Tensor,
         obs_q: Tensor, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor,
-        fmt_table: Tensor, fmt_lengths: Tensor, fmt_basis: Tensor, layer: int, scale: float, window: int,
+        fmt_table: Tensor, fmt_lengths: Tensor, fmt_basis: Tensor, fmt_anchors: Tensor, fmt_residuals: Tensor,
+        layer: int, scale: float, window: int,
     ) -> Tensor:
-        fmt = (fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths, fmt_basis)
+        fmt = (fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths, fmt_basis, fmt_anchors,
+               fmt_residuals)
         return _attend(
             q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt,
             layer, scale, window, packed, decode,

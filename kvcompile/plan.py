@@ -40,6 +40,17 @@ class NewEntries:
 
 
 @dataclass
+class AnchoredEntries:
+    """AnchorKV's encoding of every entry a plan keeps (``kernels.anchored``): rows [L, B, Hkv, K, 2, 3] int16 (each
+    kept entry's key and value row, in ``keep``'s order), anchors [L, 2, B, Hkv, 1 + A, D] and residuals
+    [L, 2, B, R, W]: the tables the rows decode against."""
+
+    rows: Tensor
+    anchors: Tensor
+    residuals: Tensor
+
+
+@dataclass
 class Plan:
     """What every head holds after a compression.
 
@@ -48,13 +59,15 @@ class Plan:
     ``STORED_FORMAT`` (None: each stays where it is; a formatted plan also stores ``new`` in the format); new:
     entries written after the kept ones (None: none). A head then holds ``counts + new.counts`` entries, kept ones
     first, in their old order. channels [L, B, Hkv, W]: for a page format that drops key channels (ThinK), the
-    ones each head keeps, ascending (None: those it keeps now)."""
+    ones each head keeps, ascending (None: those it keeps now). anchored: every kept entry as AnchorKV's rows, with
+    their tables (an ``anchor2`` page format; None for any other)."""
 
     keep: Tensor
     counts: Tensor
     formats: Tensor | None = None
     new: NewEntries | None = None
     channels: Tensor | None = None
+    anchored: AnchoredEntries | None = None
 
     @property
     def lengths(self) -> Tensor:

@@ -4,8 +4,9 @@ Every program is ``forward(*INPUTS) -> logits``. The passes add the inputs after
 (``passes.InsertPagedAttention``), the runtime fills them from a ``cache.Step`` and the cache
 (``programs.Programs.run``), ``torch.compile`` marks the varying sizes dynamic, and ``artifact.export`` turns the
 same names into ``torch.export`` dimensions. Dimension names: batch rows, tokens of the call, pages of the pool,
-width of the page table, ring slots, the same two of the format pool (``cache.formatted``), and the pages of the
-log-weight channel (``cache.weights``: the pool's pages in a weighted cache, else 0).
+width of the page table, ring slots, the same two of the format pool (``cache.formatted``), the anchors a head
+and the residual slots a layer of AnchorKV's tables hold (``cache.anchored``), and the pages of the log-weight
+channel (``cache.weights``: the pool's pages in a weighted cache, else 0).
 """
 
 from __future__ import annotations
@@ -37,5 +38,7 @@ INPUTS = (
     Input("fmt_table", ((1, "batch"), (3, "fmt_width")), "cache"),
     Input("fmt_lengths", ((1, "batch"),), "cache"),
     Input("fmt_basis", (), "cache"),
+    Input("fmt_anchors", ((2, "batch"), (4, "anchors")), "cache"),
+    Input("fmt_residuals", ((2, "batch"), (3, "residuals")), "cache"),
 )
 ADDED = tuple(i.name for i in INPUTS[2:])  # what the passes add after (input_ids, position_ids)

@@ -14,6 +14,7 @@ from . import observation
 from .compress import check_fits
 from .kernels.formats import get_format
 from .kernels.pruned import PrunedCodec
+from .methods.anchorkv import AnchorKV
 from .methods.think import ThinK
 from .schedule import DecodeCompressor
 
@@ -59,9 +60,10 @@ class Steps:
     def observation_window(self) -> int:
         """Queries per layer this model reads when it compresses (its scorer's sources) or decodes."""
         scorer = observation.window(self.scorer.sources()) if self.scorer else 0
-        fmt = self.recipe.format  # ThinK's choice of key channels reads queries too
-        channels = ThinK.window if fmt and isinstance(get_format(fmt).key, PrunedCodec) else 0
-        return max(self.decode_window, scorer, channels)
+        fmt = self.recipe.format and get_format(self.recipe.format)  # ThinK's key channels read queries, AnchorKV's
+        channels = ThinK.window if fmt and isinstance(fmt.key, PrunedCodec) else 0  # anchors and utilities too
+        anchors = AnchorKV.window if fmt and fmt.anchored else 0
+        return max(self.decode_window, scorer, channels, anchors)
 
     def _refuse_without_question(self, compressing: bool = True) -> None:
         """Raise, before anything changes, when a scorer that ranks by the question would compress without it."""

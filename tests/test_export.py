@@ -25,7 +25,7 @@ LONG = ["gracekv", "core", "snapkv+int4", "snapkv+fp16", "snapkv+bf16", "snapkv+
 
 
 @pytest.mark.parametrize("recipe, budget", [("certkv", 0.5)] + [
-    (MINIMA_W8, 0.8)] + [
+    (MINIMA_W8, 0.8), ("anchorkv", 1.0)] + [
     pytest.param(r, 0.5, marks=[pytest.mark.slow, pytest.mark.skipif("KVCOMPILE_LONG" not in os.environ,
                                                                       reason="KVCOMPILE_LONG=1")]) for r in LONG],
     ids=lambda r: str(getattr(r, "name", r)))
@@ -34,7 +34,7 @@ def test_export_load_in_fresh_process_generates_same_tokens(llama_cm, tmp_path, 
     prototypes and CORE's memory too: the log-weight channel is an input of every program, its pages a dimension of
     their own), and over page formats
     (the format pool is an input too): Minima-KV's TQ3 (packed page-local codes, precise anchors, demotion while
-    decoding), and with ``KVCOMPILE_LONG=1`` every other format: ThinK's pruned key channels (a per-head channel
+    decoding), AnchorKV's rows (its per-sequence anchor and residual tables two inputs of their own), and with ``KVCOMPILE_LONG=1`` every other format: ThinK's pruned key channels (a per-head channel
     list), SPECTRA's rows (the basis an input of its own), the row-local integer codes and KIVI's demoting window."""
     cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)  # Minima's anchors: 0.5 is too little
     ids, mask = left_padded_batch([40, 25], total=40)

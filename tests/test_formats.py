@@ -16,7 +16,8 @@ from kvcompile.kernels.packing import pack, unpack
 from kvcompile.recipes import Recipe, in_format
 
 CODECS = {f"{name}.{part}": getattr(f, part) for name, f in FORMATS.items() for part in ("key", "value")
-          if not getattr(getattr(f, part), "page_local", False) and not f.latent}  # latent rows: test_spectra
+          if not getattr(getattr(f, part), "page_local", False) and not f.latent  # latent rows: test_spectra
+          and not f.anchored}  # rows against a sequence's anchors: test_anchorkv
 
 
 def fresh_seed() -> int:
@@ -185,14 +186,14 @@ def test_quantize_only_is_close_to_the_full_model_and_reports_its_bytes(llama_cm
     pool = stats["formats"][name]
     assert pool["tokens"] == stats["tokens_held"] == int(mask.sum()) * 3 * 2, "every token stored in the format"
     assert stats["formats"]["float32"]["tokens"] == 0
-    assert stats["bytes_held"] == pool["codes"] + pool["meta"], "held bytes are the format pages' codes and scales"
+    assert stats["bytes_held"] == pool["codes"] + pool["meta"] + pool["tables"], "held: codes, scales (and tables)"
     assert stats["bytes_held"] < stats["bytes_full"]
     tensors = sum(t.nbytes for t, _ in cm.cache.tensors().values())
     assert stats["bytes_allocated"] == tensors
     # the next token's logits, read over the format pages, stay near the full model's
     nxt = ref[:, -1:].argmax(-1)
     tol = {"int2": 2.0, "int3": 1.0, "tq3": 1.0, "int4": 0.5, "spectra2": 2.0, "spectra3": 1.0, "spectra4": 0.5,
-           "saki4": 0.5}.get(name, 0.1)
+           "saki4": 0.5, "anchor2": 1.0}.get(name, 0.1)
     got, want = cm.decode(nxt), full.decode(nxt)
     assert (got - want).abs().max() < tol, f"{name}: {(got - want).abs().max()}"
 

@@ -1,7 +1,8 @@
 """Byte accounting of the paged cache: every tensor it owns, what each holds, and the peaks since ``setup``.
 
 ``bytes_held`` is the K/V payload of the pages that hold tokens, in both pools (page rounding, a page format's
-scales and zero points, and a weighted cache's log-weights included: what budgets bound);
+scales and zero points, AnchorKV's anchors and residuals, and a weighted cache's log-weights included: what budgets
+bound);
 ``bytes_allocated`` is every byte of every tensor the cache owns, broken down into payload, free pages (the rest of
 the pool: the scratch page, reserved room), positions, tables (page tables, lengths, counters) and the observation
 ring. A test walks the cache object and checks the breakdown sums to what it really allocated.
@@ -15,7 +16,7 @@ from torch import Tensor
 from ..kernels.formats import get_format
 from .formatted import FORMAT_TENSORS
 
-FORMAT_KINDS = ("pages", "pages", "pages", "pages", "positions", "tables", "tables", "tables")
+FORMAT_KINDS = ("pages", "pages", "pages", "pages", "positions", "tables", "tables", "tables", "pages", "pages")
 
 
 class ByteAccounting:
@@ -50,8 +51,9 @@ class ByteAccounting:
         return ((self.lengths if lengths is None else lengths).long() + self.page_size - 1) // self.page_size
 
     def bytes_held(self) -> Tensor:
-        """[B] bytes of K/V pages holding tokens, per sequence, both pools (page rounding included)."""
-        held = self.pages_held().sum(dim=(0, 2)) * self.page_bytes
+        """[B] bytes of K/V pages holding tokens, per sequence, both pools (page rounding included), and of the
+        tables their rows decode against (AnchorKV's, ``table_bytes``)."""
+        held = self.pages_held().sum(dim=(0, 2)) * self.page_bytes + self.table_bytes()
         return held + self.pages_held(self.fmt_lengths).sum(dim=(0, 2)) * self.stored_page_bytes
 
     def budget_bytes(self, budget, tokens: Tensor) -> Tensor:
@@ -114,7 +116,8 @@ class ByteAccounting:
 
     def format_stats(self) -> dict[str, dict]:
         """Per pool (the model's dtype, the page format): entries held, and the bytes of their pages as codes,
-        scales and zero points ("meta"), log-weights ("weights", a weighted cache's), positions."""
+        scales and zero points ("meta"), log-weights ("weights", a weighted cache's), positions, and of the tables
+        they decode against ("tables": AnchorKV's anchors and residuals)."""
         held = {str(self.dtype).removeprefix("torch."): (self.lengths, self.k_pages, self.v_pages, None, None,
                                                          self.page_lw if self.weighted else None, self.page_pos)}
         if self.page_format is not None:
@@ -126,5 +129,7 @@ class ByteAccounting:
             page = lambda t: 0 if t is None else t[0].nbytes  # noqa: E731  (bytes of one page of t)
             out[name] = {"tokens": int(lengths.long().sum()), "codes": pages * (page(k) + page(v)),
                          "meta": pages * (page(k_meta) + page(v_meta)), "weights": pages * page(weights),
-                         "positions": pages * page(pos)}
+                         "positions": pages * page(pos), "tables": 0}
+        if self.page_format is not None:
+            out[self.page_format]["tables"] = int(self.table_bytes().sum())
         return out

@@ -13,6 +13,7 @@ Layout (one pool for all layers, as the model-dtype one)::
                                           (ThinK's ``PrunedCodec``; W = 0 for any other): what its pages list
     fmt_basis               : [L, 2, Hkv, 2D + 3, D] the model's basis of latent rows (``kernels.latent``;
                                           [L, 0, ...] for any other format), set with the format
+    fmt_anchors, fmt_residuals : AnchorKV's per-sequence tables (``anchored``; empty for any other format)
 
 A head's entries, in logical order, are its format entries then its model-dtype entries (``lengths``), so the plans
 of every method index one list (``dense``). The pool is written only by ``keep``: compression encodes the kept
@@ -29,22 +30,18 @@ from torch import Tensor
 
 from ..kernels import latent, reference
 from ..kernels.formats import PrunedCodec, codec_of, encode_pool, get_format
+from ..kernels.anchored import AnchorCodec
 from ..kernels.latent import LatentCodec
 from ..plan import DTYPE_FORMAT, STORED_FORMAT, Plan
+from .anchored import AnchorTables
+from .precision import PrecisePositions
 
 MIN_PAGES = 2  # pages of a format pool at least: the scratch page and a spare
-FORMAT_TENSORS = ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos", "fmt_table", "fmt_lengths", "fmt_basis")
+FORMAT_TENSORS = ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos", "fmt_table", "fmt_lengths", "fmt_basis",
+                  "fmt_anchors", "fmt_residuals")
 
 
-def precise_positions(pos: Tensor, seen: Tensor, window: int, anchors: int, page_size: int) -> Tensor:
-    """True at the positions ``pos`` (-1: no entry) a format recipe keeps in the model's dtype once their row has read
-    ``seen`` tokens (broadcast against ``pos``): the ``window`` newest and, with ``anchors``, those of every
-    ``anchors``-th page of ``page_size`` positions from 0 (Minima-KV's anchor pages)."""
-    keep = (pos >= 0) & (pos >= seen - window) if window else torch.zeros_like(pos, dtype=torch.bool)
-    return keep | (pos >= 0) & ((pos // page_size) % anchors == 0) if anchors else keep
-
-
-class FormatPool:
+class FormatPool(PrecisePositions, AnchorTables):
     """Format-pool state and moves of ``PagedKVCache`` (mixed into it)."""
 
     def _empty_format_pool(self, batch_size: int) -> None:
@@ -54,7 +51,7 @@ class FormatPool:
         N = 0 if self.page_format is None else MIN_PAGES
         for name in ("k", "v"):
             codec, zeros = self._codec("key" if name == "k" else "value"), torch.zeros(N, P, D, device=dev)
-            if isinstance(codec, LatentCodec):  # rows in a basis: nothing to encode without one
+            if isinstance(codec, (LatentCodec, AnchorCodec)):  # rows against a table: nothing to encode without it
                 codes, meta = codec.zeros(N, P, D, device=dev)
             else:
                 codes, meta = ((torch.zeros(N, P, 0, dtype=torch.uint8, device=dev),) * 2 if codec is None else
@@ -67,6 +64,7 @@ class FormatPool:
         key = self._codec("key")
         kept = key.kept(D) if isinstance(key, PrunedCodec) else 0
         self.fmt_channels = torch.arange(kept, dtype=torch.int16, device=dev).expand(L, batch_size, Hkv, -1).clone()
+        self._empty_anchor_tables(batch_size)
 
     def _apply(self, fn, recurse=True):
         """``.to(dtype)`` casts the model-dtype pool; the format pool only follows the device (its dtypes are its
@@ -108,7 +106,8 @@ class FormatPool:
     def format_pages(self, layer: int) -> reference.FormatPages:
         """Layer ``layer``'s view of the format pool, as attention reads it."""
         return reference.FormatPages(self.fmt_k, self.fmt_k_meta, self.fmt_v, self.fmt_v_meta, self.fmt_pos,
-                                     self.fmt_table[layer], self.fmt_lengths[layer], self.fmt_basis[layer])
+                                     self.fmt_table[layer], self.fmt_lengths[layer], self.fmt_basis[layer],
+                                     self.fmt_anchors[layer], self.fmt_residuals[layer])
 
     @property
     def format_used(self) -> bool:
@@ -129,49 +128,6 @@ class FormatPool:
                                       for a, b in zip(stored, dense))
         return keys, values, positions, j < (n[..., 0] + self.lengths[layer])[..., None]
 
-    def positions(self) -> Tensor:
-        """[L, B, Hkv, S] the original position of every entry each head holds, in its logical order, -1 past its
-        ``held`` entries (S the longest head, at least 1): read from the position pages alone (no key or value is
-        gathered or decoded, which matters to a demotion while decoding)."""
-        P, n_f, n = self.page_size, self.fmt_lengths.long()[..., None], self.held().long()[..., None]
-        j = torch.arange(max(int(n.max()), 1), device=self.device)
-        pos = self.page_pos.reshape(-1)[reference.rows_of(self.page_table, (j - n_f).clamp_min(0), P)].long()
-        if self.format_used:
-            stored = self.fmt_pos.reshape(-1)[reference.rows_of(self.fmt_table, j.expand_as(pos), P)].long()
-            pos = torch.where(j < n_f, stored, pos)
-        return pos.masked_fill(j >= n, -1)
-
-    def newest(self, window: int) -> Tensor:
-        """[L, B, Hkv, S] True at the entries among each row's ``window`` newest positions (none for 0), S the
-        longest head."""
-        if not window:
-            return torch.zeros(*self.lengths.shape, 1, dtype=torch.bool, device=self.device)
-        pos = self.positions()
-        return (pos >= 0) & (pos >= (self.seen - window)[None, :, None, None])
-
-    def precise(self, window: int, anchors: int = 0, seen: Tensor | None = None) -> Tensor:
-        """[L, B, Hkv, S] True at the entries a format recipe keeps in the model's dtype (``precise_positions``), as
-        of each row having read ``seen`` [B] tokens (default: what it has read)."""
-        if not (window or anchors):
-            return self.newest(0)
-        seen = self.seen if seen is None else seen
-        return precise_positions(self.positions(), seen[None, :, None, None], window, anchors, self.page_size)
-
-    def counts_after(self, window: int, anchors: int, seen: Tensor, fresh: bool = False) -> tuple[Tensor, Tensor]:
-        """([L, B, Hkv] entries held, those of them ``precise`` marks) once each row has read ``seen`` [B] tokens,
-        before anything is compressed: the entries held now (none when ``fresh``: the cache is about to start again)
-        and one per position a prefill up to ``seen`` would append. What a prefill is checked against before it
-        writes anything."""
-        start = torch.zeros_like(seen) if fresh else self.seen
-        pos = start[:, None] + torch.arange(int((seen - start).max()), device=self.device)
-        new = pos.masked_fill(pos >= seen[:, None], -1)
-        widen = lambda n: n[None, :, None].expand(self.num_layers, -1, self.num_kv_heads)  # noqa: E731
-        held, precise = widen((new >= 0).sum(-1)), widen(precise_positions(new, seen[:, None], window, anchors,
-                                                                            self.page_size).sum(-1))
-        if fresh:
-            return held, precise
-        return held + self.held(), precise + self.precise(window, anchors, seen).sum(-1)
-
     def demote(self, precise_recent: int, shrink: bool = True, channels: Tensor | None = None,
                anchors: int = 0) -> None:
         """Store every held entry in the page format except each row's ``precise_recent`` newest tokens and its
@@ -189,7 +145,9 @@ class FormatPool:
     def _keep_formatted(self, plan: Plan) -> Plan:
         """Lay the format pool out anew with the entries ``plan`` keeps in the page format (stored ones moved as
         bytes, model-dtype ones encoded, then a formatted plan's ``new`` entries, encoded) and return the plan of
-        what stays in the model-dtype pool, in that pool's own indices."""
+        what stays in the model-dtype pool, in that pool's own indices (an AnchorKV plan: ``_keep_anchored``)."""
+        if plan.anchored is not None:
+            return self._keep_anchored(plan)
         P, D = self.page_size, self.head_dim
         n1 = self.fmt_lengths.long()[..., None]
         live = torch.arange(plan.keep.shape[-1], device=self.device) < plan.counts[..., None]

@@ -1,5 +1,6 @@
 """One layer's format pool as attention reads it: entries stored in a page format (``formats``; SPECTRA's rows with
-their basis, ``latent``), decoded a tile of pages at a time where they are read."""
+their basis, ``latent``; AnchorKV's with their sequence's tables, ``anchored``), decoded a tile of pages at a time
+where they are read."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import cpu_native, latent
+from . import anchored, cpu_native, latent
 from .formats import codec_of
 from .paging import gather_pages
 
@@ -17,8 +18,9 @@ class FormatPages(NamedTuple):
     """One layer's format pool (``kvcompile.cache``): codes and metadata of keys and values [N, P, W] and
     [N, P, M] ([N, 1, M] for a page-local codec), in the format ``formats.codec_of`` reads from them; positions
     [N, P], page table [B, Hkv, W'], lengths [B, Hkv]; ``basis``: the layer's latent basis [2, Hkv, 2D + 3, D] when
-    the pool holds SPECTRA's rows (``latent``), else None or empty. A head's entries live in its format pages and
-    its model-dtype pages: attention reads both."""
+    the pool holds SPECTRA's rows (``latent``), else None or empty; ``anchors`` [2, B, Hkv, 1 + A, D] and
+    ``residuals`` [2, B, R, W] the layer's AnchorKV tables when it holds AnchorKV's rows (``anchored``), else None
+    or empty. A head's entries live in its format pages and its model-dtype pages: attention reads both."""
 
     k: Tensor
     k_meta: Tensor
@@ -28,6 +30,8 @@ class FormatPages(NamedTuple):
     table: Tensor
     lengths: Tensor
     basis: Tensor | None = None
+    anchors: Tensor | None = None
+    residuals: Tensor | None = None
 
     @property
     def empty(self) -> bool:
@@ -37,6 +41,15 @@ class FormatPages(NamedTuple):
     @property
     def latent(self) -> bool:
         return self.basis is not None and self.basis.shape[0] > 0
+
+    @property
+    def anchored(self) -> bool:
+        return self.anchors is not None and self.anchors.shape[0] > 0
+
+    @property
+    def decoded(self) -> bool:
+        """Rows that decode against a table (``latent``, ``anchored``): read by the PyTorch path on every device."""
+        return self.latent or self.anchored
 
     def dense(self, head_dim: int, dtype: torch.dtype, pages: slice = slice(None)):
         """Decoded keys, values [B, Hkv, S, D], positions and valid [B, Hkv, S] of the page-table columns
@@ -51,15 +64,17 @@ class FormatPages(NamedTuple):
         """The decoded keys (``part`` 0) or values (1) [B, Hkv, S, D] of the pages ``table`` [B, Hkv, W'] lists, at
         their positions ``pos`` [B, Hkv, S] (latent keys are rotated to them)."""
         codes, meta = (self.k, self.k_meta) if part == 0 else (self.v, self.v_meta)
-        codec = None if self.latent else codec_of(codes, meta, head_dim)
+        codec = None if self.decoded else codec_of(codes, meta, head_dim)
         codes, meta = gather_pages(codes, table), gather_pages(meta, table)
+        if self.anchored:
+            return anchored.decode(codes, self.anchors[part], self.residuals[part], pos, part == 0).to(dtype)
         if codec is None:
             return latent.decode(codes, meta, self.basis[part], pos).to(dtype)
         return codec.decode(codes, meta, dtype)
 
     def scores(self, q: Tensor, table: Tensor, head_dim: int) -> Tensor:
         """q [B, Hkv, G, D] times the keys of the pages ``table`` lists: [B, Hkv, G, S], read from the codes."""
-        if self.latent:
+        if self.decoded:
             keys = self.rows(0, table, gather_pages(self.pos, table).long(), head_dim)
             return torch.matmul(q, keys.to(q.dtype).transpose(-1, -2))
         return codec_of(self.k, self.k_meta, head_dim).dot(q, gather_pages(self.k, table),
@@ -69,6 +84,9 @@ class FormatPages(NamedTuple):
         """Weights p [B, Hkv, G, S] times the values of the pages ``table`` lists: [B, Hkv, G, D]; latent rows are
         summed in their basis and the sum mapped back (the basis applied after attention)."""
         codes, meta = gather_pages(self.v, table), gather_pages(self.v_meta, table)
+        if self.anchored:
+            values = self.rows(1, table, gather_pages(self.pos, table).long(), head_dim)
+            return torch.matmul(p, values.to(p.dtype))
         if self.latent:
             basis = self.basis[1].to(p.dtype)  # the weighted sum, then up and the mean (p's mass in this tile)
             mixed = torch.matmul(torch.matmul(p, latent.latent_rows(codes, meta, self.basis[1]).to(p.dtype)),
@@ -81,7 +99,7 @@ class FormatPages(NamedTuple):
         (``cpu_native``): the output [B, Hkv, G, D] and its log-sum-exp [B, Hkv, G]; None where that does not
         serve this pool (then ``scores`` and ``mix`` do). ``more``: the head's other pools, in one softmax with it
         (``cpu_native.attend``)."""
-        if self.latent:
+        if self.decoded:
             return None
         keys = (codec_of(self.k, self.k_meta, head_dim), self.k, self.k_meta)
         values = (codec_of(self.v, self.v_meta, head_dim), self.v, self.v_meta)

@@ -20,6 +20,8 @@ Codecs (D = head dim, G = group size along D):
                  (``latent``; int4..int2's bytes: codes of 4..2 bits a channel on average, fp16 scale and minimum
                  per group of 32); the basis is the cache's (``fmt_basis``), so ``codec_of`` never names it
     saki4        SAKI: keys in the score-preserving basis of §20 (bits by score error), values as int4 (``latent``)
+    anchor2      AnchorKV: a row is its nearest anchor scaled plus, where compression refined it, a 2-bit residual;
+                 anchors and residuals live in the sequence's tables (``anchored``), which only compression writes
 
 Quantization runs in PyTorch (the Triton interpreter's fp32 -> fp8 cast is wrong for a few percent of values) and
 float8 codes are only cast, never computed on (CPU float8 has no arithmetic).
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor
 
 from . import latent
+from .anchored import AnchorCodec
 from .latent import LatentCodec
 from .codec import RowCodec
 from .integer import ChannelCodec, IntCodec
@@ -120,6 +123,11 @@ class PageFormat:
         """Rows stored in a per-model basis the cache holds (SPECTRA): the format needs a calibration."""
         return isinstance(self.key, LatentCodec)
 
+    @property
+    def anchored(self) -> bool:
+        """Rows decoded against their sequence's anchors (AnchorKV): compression encodes them (``anchoring``)."""
+        return isinstance(self.key, AnchorCodec)
+
     def token_bytes(self, head_dim: int, page_size: int = 1) -> float:
         """Bytes of K plus V of one stored token, a page's metadata shared by its ``page_size`` tokens."""
         return self.page_bytes(head_dim, page_size) / page_size
@@ -138,6 +146,7 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("tq3", TQ3Keys(), TQ3Values()),  # Minima-KV's packed 3-bit pages
     *(PageFormat(f"spectra{b}", LatentCodec(b, 32, rotary=True), LatentCodec(b, 32)) for b in (4, 3, 2)),
     PageFormat("saki4", LatentCodec(4, 32, rotary=True, basis="saki"), LatentCodec(4, 32, basis="identity")),
+    PageFormat("anchor2", AnchorCodec(rotary=True), AnchorCodec()),
 )}
 
 
@@ -166,6 +175,8 @@ def codec_of(codes: Tensor, meta: Tensor, head_dim: int):
 
 @functools.cache
 def _codec(dtype: torch.dtype, width: int, meta_width: int, head_dim: int, meta_dtype: torch.dtype):
+    if dtype == torch.int16:
+        return AnchorCodec()
     if meta_dtype == torch.float32 and dtype == torch.uint8:  # TQ3's page scales
         return TQ3Keys() if meta_width == 1 else TQ3Values()
     if dtype in (torch.float16, torch.bfloat16, torch.float32):

@@ -240,8 +240,8 @@ def paged_decode(
     weighted = log_weights is not None and log_weights.shape[0] > 0
     pools = [(k_pages, None, v_pages, None, page_pos, page_table, lengths, weighted)]
     if stored is not None and not stored.empty:
-        if stored.latent:  # ops reads latent pages (SPECTRA, SAKI) in PyTorch on every device
-            raise NotImplementedError("latent pages have no Triton decode kernel yet")
+        if stored.decoded:  # ops reads latent and anchored pages in PyTorch on every device
+            raise NotImplementedError("latent and anchored pages have no Triton decode kernel yet")
         pools.append((*stored[:7], False))
     splits = max_splits * len(pools)
     part_out = torch.empty(B, Hkv, G, splits, D, device=q.device, dtype=torch.float32)

@@ -1,5 +1,6 @@
 """Built-in recipes that are page formats of their own (``kernels.formats``): ThinK's pruned keys, Minima-KV's
-TQ3 pages beside anchor pages, SPECTRA's and SAKI's rows in a calibrated basis; and TaskPress, which ranks by what a quantized page stores. Listed after the other
+TQ3 pages beside anchor pages, SPECTRA's and SAKI's rows in a calibrated basis, AnchorKV's rows against anchors; and
+TaskPress, which ranks by what a quantized page stores. Listed after the other
 built-ins (``builtin``)."""
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ FORMAT_RECIPES = [
                     "32 share a width, given by the score error lambda^2 4^-b) and read back as mu + B_q c before "
                     "RoPE; values as int4 (the paper is keys only); moments as 'spectra' calibrates them; v2's "
                     "noise correction not implemented; no eviction"),
+    Recipe("anchorkv", None, format="anchor2",
+           source="https://arxiv.org/abs/2608.02901 (AnchorKV; METHODS.md section 11)", provenance="abstract",
+           inferred="from a third-party transcription of the method section, no code: its constants (32 trailing "
+                    "anchors, k = max(32, S / 128), 70% by SnapKV with an average pool of 7, the rest random with "
+                    "seed 42, 2-bit Lloyd-Max residuals after a randomized Hadamard transform) as transcribed; the "
+                    "residual scale is the RMS (the source says per-token absmax); anchors stored in fp32 (the "
+                    "model's dtype here; the paper's BF16); the residual slots split equally between layers and "
+                    "between keys and values; the observation queries are the last 32; no eviction, decode tokens "
+                    "appended exactly"),
     Recipe("taskpress", "taskpress", scorer_args={"window": 8192, "n_sink": 4, "bits": 4, "group": 32},
            source="METHODS.md section 19 (TaskPress; no paper, code or summary found)", provenance="description",
            inferred="all of it: the meta-query 'Answer the question about the text above.' read once after the "

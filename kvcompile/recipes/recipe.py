@@ -52,8 +52,11 @@ class Recipe:
             raise ValueError(f"recipe {self.name!r}: unknown scorer {self.scorer!r}; known: {sorted(SCORERS)}")
         if self.allocator not in ALLOCATORS:
             raise ValueError(f"recipe {self.name!r}: unknown allocator {self.allocator!r}; known: {sorted(ALLOCATORS)}")
-        if self.format is not None:
-            get_format(self.format)
+        if self.format is not None and get_format(self.format).anchored and (
+                self.scorer or self.precise_recent or self.precise_anchors or self.decode or self.merge):
+            raise ValueError(f"recipe {self.name!r}: {self.format} pages hold every token, encoded against its "
+                             "anchors when the prompt is compressed; no scorer, precise window, anchors pages, decode "
+                             "schedule or merging goes with them")
         if self.merge is not None:
             self._check_merge()
         if self.precise_anchors and self.format is None:

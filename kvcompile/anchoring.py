@@ -1,0 +1,87 @@
+"""AnchorKV's compression (METHODS.md §11): every held token goes to ``anchor2`` pages as its nearest anchor scaled
+(``methods.anchorkv``), and the residuals of the tokens whose approximation most moves the output are coded
+(``kernels.anchored``), as many as the byte budget leaves once the anchors and every token's row are paid for.
+
+§11 pools the residual count over a layer's heads and splits it between keys and values; here every layer gets an
+equal share of what the budget leaves, halved between keys and values (the split is inferred), and the rows of one
+batch get as many residual slots as the tightest of them affords (their tables share one shape).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .cache import PagedKVCache
+from .kernels import anchored
+from .kernels.formats import get_format
+from .methods.anchorkv import AnchorKV, nearest
+from .observation import observe
+from .plan import STORED_FORMAT, AnchoredEntries, Plan
+
+
+def is_anchored(cache: PagedKVCache) -> bool:
+    return cache.page_format is not None and get_format(cache.page_format).anchored
+
+
+def base_bytes(cache: PagedKVCache, held: Tensor, method: AnchorKV = AnchorKV()) -> Tensor:
+    """[B] bytes a row pays before any residual when its heads hold ``held`` [L, B, Hkv] tokens: every token's rows
+    (page rounding included) and its anchor tables (the widest head's anchors, plus the RoPE row)."""
+    rows = cache.pages_held(held).sum(dim=(0, 2)) * cache.stored_page_bytes
+    L, Hkv, D = cache.num_layers, cache.num_kv_heads, cache.head_dim
+    return rows + L * 2 * Hkv * (1 + anchor_width(held, method)) * D * 4
+
+
+def anchor_width(held: Tensor, method: AnchorKV) -> int:
+    """Anchors of the head with the most: max(window, S / per_anchor) of its S tokens (at most S)."""
+    n = int(held.max()) if held.numel() else 0
+    return min(n, max(method.window, n // method.per_anchor))
+
+
+def plan(cache: PagedKVCache, layers, budget_bytes: Tensor, method: AnchorKV = AnchorKV()) -> Plan:
+    """The plan that stores every held token as AnchorKV's rows within ``budget_bytes`` [B] (``base_bytes`` fit:
+    ``compress.check_fits`` refused the prompt before it was written otherwise)."""
+    L, B, Hkv, D = cache.num_layers, cache.batch_size, cache.num_kv_heads, cache.head_dim
+    held = cache.held().long()
+    K, A, width = max(int(held.max()), 1), anchor_width(held, method), anchored.residual_bytes(D)
+    spare = int((budget_bytes - base_bytes(cache, held, method)).min())
+    slots = min(max(spare // (L * 2 * width), 0), Hkv * K)  # at most one a token
+    rows = torch.zeros(L, B, Hkv, K, 2, 3, dtype=torch.int16, device=cache.device)
+    tables = torch.zeros(L, 2, B, Hkv, 1 + A, D, device=cache.device)
+    residuals = torch.zeros(L, 2, B, slots, width, dtype=torch.uint8, device=cache.device)
+    for layer in layers:
+        obs = observe(cache, layer)
+        inv_freq = obs.weights.get("inv_freq")
+        if inv_freq is not None:
+            if 2 * inv_freq.shape[0] != D:
+                raise NotImplementedError(f"AnchorKV pages rotate whole keys; this model's RoPE turns "
+                                          f"{2 * inv_freq.shape[0]} of {D} channels")
+            tables[layer.index, 0, :, :, 0, : D // 2] = inv_freq.float()
+        present = method.anchors(obs)
+        S = present.shape[-1]
+        order = present.float().argsort(dim=-1, descending=True, stable=True)[..., :A]  # each head's anchors, first
+        slot_of = torch.full_like(present, -1, dtype=torch.long).scatter(-1, order, torch.arange(A, device=cache.device).expand_as(order))
+        parts = (method.keys_before_rope(obs), obs.values.float())
+        found = []
+        for part, x in enumerate(parts):
+            vectors = x.gather(2, order[..., None].expand(-1, -1, -1, D)) * present.gather(-1, order)[..., None]
+            tables[layer.index, part, :, :, 1:] = vectors
+            index, gamma = nearest(x, vectors, present.gather(-1, order))
+            index = torch.where(present, slot_of, index)
+            gamma = torch.where(present, 1.0, gamma).half().float()
+            found.append((index, gamma, x - gamma[..., None] * vectors.gather(2, index[..., None].expand_as(x))))
+        utilities = method.utilities(obs, found[0][2], found[1][2])
+        for part, ((index, gamma, residual), utility) in enumerate(zip(found, utilities)):
+            candidates = obs.valid & ~present
+            score = utility.masked_fill(~candidates, float("-inf")).flatten(1)  # [B, Hkv * S]: the heads pooled
+            n = min(slots, score.shape[1])
+            top = score.topk(n, -1).indices
+            chosen = torch.zeros_like(score, dtype=torch.bool).scatter(-1, top, True) & candidates.flatten(1)
+            slot = torch.full_like(score, -1, dtype=torch.long).scatter(-1, top, torch.arange(n, device=cache.device).expand_as(top))
+            slot = slot.masked_fill(~chosen, -1).view(B, Hkv, S)
+            codes = anchored.encode_residuals(residual.flatten(1, 2).gather(1, top[..., None].expand(-1, -1, D)))
+            residuals[layer.index, part, :, :n] = codes * chosen.gather(-1, top)[..., None]
+            rows[layer.index, :, :, :S, part] = anchored.encode_rows(index, gamma, slot)[:, :, :K]
+    keep = torch.arange(K, device=cache.device).expand(L, B, Hkv, K)
+    return Plan(keep, held, formats=torch.full_like(keep, STORED_FORMAT),
+                anchored=AnchoredEntries(rows, tables, residuals))

@@ -1,0 +1,120 @@
+"""AnchorKV's rows (METHODS.md §11, ``methods.anchorkv``): a stored token is its nearest anchor scaled, plus, where
+compression chose to refine it, a 2-bit residual. A row holds three int16: the anchor's index in its head's anchor
+table, the scale gamma (fp16 bits) and the slot of its residual in its layer's residual arena (-1: none). Rows
+mean nothing without their sequence's tables, which the cache holds beside the pool (``cache.anchored``) and
+attention reads with it (``FormatPages.anchors``, ``FormatPages.residuals``), per layer:
+
+    anchors    [2, B, Hkv, 1 + A, D] fp32, keys then values: row 0 the RoPE inverse frequencies (zero-padded to D;
+               zero for values and for a model without RoPE), rows 1.. the head's anchors, exact; keys before RoPE,
+               rotated to their token's position when read
+    residuals  [2, B, R, D / 4 + 2] uint8: a coded residual per slot (the layer's heads share them): D 2-bit codes,
+               then the fp16 scale's two bytes
+
+Residual codec (§11: randomized Hadamard, 2-bit Lloyd-Max codebook for a Gaussian): y = H(s * r) with fixed random
+signs s, orthonormal, so its coordinates are near-Gaussian with variance ||r||^2 / D; each is coded by the 4-level
+Lloyd-Max quantizer of a unit Gaussian at the scale sigma = ||r|| / sqrt(D). §11 says "per-token absmax scaling";
+which scale feeds a Gaussian codebook is not given there, so the RMS is inferred. Rows are row-local: they move
+between pages as bytes, their tables staying put; only compression encodes them (``kvcompile.anchoring``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..methods.rope import rotate
+from .packing import pack, unpack
+from .tq3 import fwht
+
+LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)  # Lloyd-Max, 4 levels, unit Gaussian
+THRESHOLDS = (-0.9816, 0.0, 0.9816)
+SIGN_SEED = 0
+
+
+@dataclass(frozen=True)
+class AnchorCodec:
+    """One part's rows (``rotary``: keys, which the anchors hold before RoPE): 6 bytes a row, no page metadata."""
+
+    rotary: bool = False
+    page_local = False
+
+    def row_bytes(self, head_dim: int) -> int:
+        return 6
+
+    def page_meta_bytes(self, head_dim: int) -> int:
+        return 0
+
+    def zeros(self, *rows: int, device=None) -> tuple[Tensor, Tensor]:
+        """Codes and meta of ``rows`` [..., D] rows that hold nothing yet (slot -1: no residual)."""
+        *shape, _ = rows
+        codes = torch.zeros(*shape, 3, dtype=torch.int16, device=device)
+        codes[..., 2] = -1
+        return codes, torch.zeros(*shape, 0, device=device)
+
+    def encode(self, x: Tensor):
+        raise NotImplementedError("AnchorKV rows are encoded against their sequence's anchors by compression "
+                                  "(kvcompile.anchoring): a recipe in anchor pages cannot demote tokens while decoding")
+
+
+def residual_bytes(head_dim: int) -> int:
+    """Bytes of one coded residual: D 2-bit codes and an fp16 scale."""
+    return head_dim // 4 + 2
+
+
+@functools.cache
+def _signs(head_dim: int, device: torch.device) -> Tensor:
+    g = torch.Generator().manual_seed(SIGN_SEED)
+    return (torch.randint(0, 2, (head_dim,), generator=g) * 2 - 1).float().to(device)
+
+
+def encode_residuals(r: Tensor) -> Tensor:
+    """Residuals [..., D] -> codes [..., D / 4 + 2] uint8."""
+    D = r.shape[-1]
+    y = fwht(r.float() * _signs(D, r.device))
+    sigma = (y.norm(dim=-1, keepdim=True) / D**0.5).half()
+    t = y / sigma.float().clamp_min(1e-30)
+    q = torch.bucketize(t, torch.tensor(THRESHOLDS, device=r.device)).to(torch.uint8)
+    return torch.cat([pack(q, 2), sigma.view(torch.uint8)], -1)
+
+
+def decode_residuals(codes: Tensor) -> Tensor:
+    """``encode_residuals``' inverse: codes [..., D / 4 + 2] -> residuals [..., D] fp32."""
+    sigma = codes[..., -2:].contiguous().view(torch.float16).float()
+    y = torch.tensor(LEVELS, device=codes.device)[unpack(codes[..., :-2], 2).long()] * sigma
+    return fwht(y) * _signs(y.shape[-1], codes.device)
+
+
+def residual_error_bound(r: Tensor) -> Tensor:
+    """[...] bound on ``decode_residuals(encode_residuals(r))``'s L2 error: a rotated coordinate t (in units of
+    sigma) is off by at most half the gap between its two nearest levels inside the codebook (0.529), or by how far
+    it lies past the outer level; the rotation keeps L2; plus sigma's fp16 rounding on every level."""
+    D = r.shape[-1]
+    y = fwht(r.float() * _signs(D, r.device))
+    sigma = y.norm(dim=-1, keepdim=True) / D**0.5
+    per = torch.maximum(torch.full_like(y, (LEVELS[3] - LEVELS[2]) / 2) * sigma, y.abs() - LEVELS[3] * sigma)
+    return per.norm(dim=-1) + LEVELS[3] * sigma[..., 0] * D**0.5 * 2.0**-10 + 1e-6
+
+
+def decode(codes: Tensor, anchors: Tensor, residuals: Tensor, pos: Tensor, rotary: bool) -> Tensor:
+    """Rows [B, Hkv, S, D] fp32 of the codes [B, Hkv, S, 3] at positions ``pos`` [B, Hkv, S], against their
+    sequences' ``anchors`` [B, Hkv, 1 + A, D] and ``residuals`` [B, R, W]; keys (``rotary``) rotated to ``pos``."""
+    B, Hkv, S, _ = codes.shape
+    D = anchors.shape[-1]
+    index, slot = codes[..., 0].long() + 1, codes[..., 2].long()
+    gamma = codes[..., 1].contiguous().view(torch.float16).float()
+    rows = gamma[..., None] * anchors.gather(2, index[..., None].expand(-1, -1, -1, D))
+    if residuals.shape[1]:
+        at = slot.clamp_min(0).view(B, Hkv * S, 1).expand(-1, -1, residuals.shape[-1])
+        coded = residuals.gather(1, at).view(B, Hkv, S, -1)
+        rows = rows + decode_residuals(coded) * (slot >= 0)[..., None]
+    if rotary and anchors.shape[2]:
+        rows = rotate(rows, pos.clamp_min(0), anchors[0, 0, 0, : D // 2])
+    return rows
+
+
+def encode_rows(index: Tensor, gamma: Tensor, slot: Tensor) -> Tensor:
+    """Row codes [..., 3] int16 from anchor indices, fp16 scales and residual slots [...]."""
+    return torch.stack([index.to(torch.int16), gamma.half().view(torch.int16), slot.to(torch.int16)], -1)
