@@ -15,6 +15,7 @@ pages: ``bench/results/formats_speed.{json,md}``.
 
     python bench/formats.py --speed --batch 4 --context 8000 --steps 4 --rounds 3 --no-compile
     python bench/formats.py --speed --kernel --context 8192 --rounds 15     # one layer's attention op alone
+    python bench/formats.py --speed --speed-recipes full,full+int4,anchorkv --batch 1 --context 4096 --no-compile
 
 ``--recent 16,64`` instead runs SnapKV over int4 pages with the newest 0 / 16 / 64 tokens kept in fp32
 (``Recipe.precise_recent``, KIVI's hierarchy with eviction; the window paid for out of the same budget) at
@@ -161,8 +162,9 @@ def plot(rows: list[dict], path: Path) -> None:
 SPEED_RECIPES = ("full", "full+fp8", "full+int8", "full+int4", "kivi2")
 
 
-def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, compiled: bool) -> dict:
-    """Decode ms/token of every recipe of ``SPEED_RECIPES`` forked from one shared prefill of ``batch`` random
+def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, compiled: bool,
+          recipes=SPEED_RECIPES) -> dict:
+    """Decode ms/token of every recipe of ``recipes`` (the first the reference) forked from one shared prefill of ``batch`` random
     rows of ``context`` tokens: the median over ``rounds`` of ``steps`` decode steps each."""
     import statistics
     import time
@@ -170,13 +172,13 @@ def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, co
     import torch
 
     model, _ = kvcompile.load_model(model_name)
-    base = kvcompile.apply(model, budget=1.0, recipe="full")
+    base = kvcompile.apply(model, budget=1.0, recipe="snapkv")  # keeps the last 32 queries, which anchorkv reads
     ids = torch.randint(10, 1000, (batch, context), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         base.prefill(ids, compress=False, logits="last")
     rows = []
     for mode in ("eager", "compiled") if compiled else ("eager",):
-        for recipe in SPEED_RECIPES:
+        for recipe in recipes:
             cm = base.fork(recipe, 1.0, compile=mode == "compiled")
             cm.compress()
             held = cm.cache_stats()["bytes_held"]
@@ -194,7 +196,7 @@ def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, co
                          "rounds_ms": times, "first_call_s": first_s, "bytes_held": held})
             print(rows[-1])
     for row in rows:
-        ref = next(r for r in rows if r["mode"] == row["mode"] and r["recipe"] == "full")
+        ref = next(r for r in rows if r["mode"] == row["mode"] and r["recipe"] == recipes[0])
         row["vs_model_dtype"] = row["ms_per_token"] / ref["ms_per_token"]
     return {"config": {"model": model_name, "batch": batch, "context": context, "steps": steps, "rounds": rounds,
                        "threads": torch.get_num_threads()}, "rows": rows}
@@ -288,6 +290,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="with --speed: eager only")
+    parser.add_argument("--speed-recipes", default=",".join(SPEED_RECIPES), help="with --speed: the first is 1.00x")
     parser.add_argument("--kernel", action="store_true", help="with --speed: one layer's attention op, not the model")
     parser.add_argument("--recent", default=None, help="precise recent windows beside snapkv+int4, e.g. 16,64")
     parser.add_argument("--ablate-taskpress", action="store_true", help="taskpress+int4 and each half of its score")
@@ -303,7 +306,8 @@ def main() -> None:
         print(kernel_markdown(result))
         return
     if args.speed:
-        result = speed(args.model, args.batch, args.context, args.steps, args.rounds, not args.no_compile)
+        result = speed(args.model, args.batch, args.context, args.steps, args.rounds, not args.no_compile,
+                       args.speed_recipes.split(","))
         out = Path(args.out or RESULTS / "formats_speed")
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))
         out.with_suffix(".md").write_text(speed_markdown(result))

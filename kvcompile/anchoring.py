@@ -45,7 +45,7 @@ def plan(cache: PagedKVCache, layers, budget_bytes: Tensor, method: AnchorKV = A
     held = cache.held().long()
     K, A, width = max(int(held.max()), 1), anchor_width(held, method), anchored.residual_bytes(D)
     spare = int((budget_bytes - base_bytes(cache, held, method)).min())
-    slots = min(max(spare // (L * 2 * width), 0), Hkv * K)  # at most one a token
+    slots = min(max(spare // (L * 2 * width), 0), Hkv * K, anchored.MAX_SLOTS)  # at most one a token
     rows = torch.zeros(L, B, Hkv, K, 2, 3, dtype=torch.int16, device=cache.device)
     tables = torch.zeros(L, 2, B, Hkv, 1 + A, D, device=cache.device)
     residuals = torch.zeros(L, 2, B, slots, width, dtype=torch.uint8, device=cache.device)
@@ -58,30 +58,40 @@ def plan(cache: PagedKVCache, layers, budget_bytes: Tensor, method: AnchorKV = A
                                           f"{2 * inv_freq.shape[0]} of {D} channels")
             tables[layer.index, 0, :, :, 0, : D // 2] = inv_freq.float()
         present = method.anchors(obs)
-        S = present.shape[-1]
-        order = present.float().argsort(dim=-1, descending=True, stable=True)[..., :A]  # each head's anchors, first
-        slot_of = torch.full_like(present, -1, dtype=torch.long).scatter(-1, order, torch.arange(A, device=cache.device).expand_as(order))
-        parts = (method.keys_before_rope(obs), obs.values.float())
-        found = []
-        for part, x in enumerate(parts):
-            vectors = x.gather(2, order[..., None].expand(-1, -1, -1, D)) * present.gather(-1, order)[..., None]
+        found = [_assign(x, present, A) for x in (method.keys_before_rope(obs), obs.values.float())]
+        utilities = method.utilities(obs, found[0][3], found[1][3])
+        for part, ((vectors, index, gamma, residual), utility) in enumerate(zip(found, utilities)):
+            slot, codes = _refine(residual, utility.masked_fill(~obs.valid | present, float("-inf")), slots)
             tables[layer.index, part, :, :, 1:] = vectors
-            index, gamma = nearest(x, vectors, present.gather(-1, order))
-            index = torch.where(present, slot_of, index)
-            gamma = torch.where(present, 1.0, gamma).half().float()
-            found.append((index, gamma, x - gamma[..., None] * vectors.gather(2, index[..., None].expand_as(x))))
-        utilities = method.utilities(obs, found[0][2], found[1][2])
-        for part, ((index, gamma, residual), utility) in enumerate(zip(found, utilities)):
-            candidates = obs.valid & ~present
-            score = utility.masked_fill(~candidates, float("-inf")).flatten(1)  # [B, Hkv * S]: the heads pooled
-            n = min(slots, score.shape[1])
-            top = score.topk(n, -1).indices
-            chosen = torch.zeros_like(score, dtype=torch.bool).scatter(-1, top, True) & candidates.flatten(1)
-            slot = torch.full_like(score, -1, dtype=torch.long).scatter(-1, top, torch.arange(n, device=cache.device).expand_as(top))
-            slot = slot.masked_fill(~chosen, -1).view(B, Hkv, S)
-            codes = anchored.encode_residuals(residual.flatten(1, 2).gather(1, top[..., None].expand(-1, -1, D)))
-            residuals[layer.index, part, :, :n] = codes * chosen.gather(-1, top)[..., None]
-            rows[layer.index, :, :, :S, part] = anchored.encode_rows(index, gamma, slot)[:, :, :K]
+            residuals[layer.index, part, :, : codes.shape[1]] = codes
+            rows[layer.index, :, :, : present.shape[-1], part] = anchored.encode_rows(index, gamma, slot)[:, :, :K]
     keep = torch.arange(K, device=cache.device).expand(L, B, Hkv, K)
     return Plan(keep, held, formats=torch.full_like(keep, STORED_FORMAT),
                 anchored=AnchoredEntries(rows, tables, residuals))
+
+
+def _assign(x: Tensor, present: Tensor, A: int) -> tuple[Tensor, ...]:
+    """Rows x [B, Hkv, S, D] against their head's anchors (``present`` [B, Hkv, S]): the anchors [B, Hkv, A, D]
+    (zero past a head's own), and each row's anchor index, fp16-rounded scale and residual (an anchor: itself, 1, 0)."""
+    order = present.float().argsort(dim=-1, descending=True, stable=True)[..., :A]  # each head's anchors first
+    held = present.gather(-1, order)
+    vectors = x.gather(2, order[..., None].expand(-1, -1, -1, x.shape[-1])) * held[..., None]
+    own = torch.zeros_like(present, dtype=torch.long).scatter(-1, order,
+                                                              torch.arange(A, device=x.device).expand_as(order))
+    index, gamma = nearest(x, vectors, held)
+    index = torch.where(present, own, index)
+    gamma = torch.where(present, 1.0, gamma).half().float()
+    return vectors, index, gamma, x - gamma[..., None] * vectors.gather(2, index[..., None].expand_as(x))
+
+
+def _refine(residual: Tensor, utility: Tensor, slots: int) -> tuple[Tensor, Tensor]:
+    """The ``slots`` residuals [B, Hkv, S, D] of highest ``utility`` [B, Hkv, S] (-inf: never), the heads pooled:
+    each row's slot [B, Hkv, S] (-1: none) and the coded residuals [B, n, W] in slot order."""
+    B, Hkv, S, D = residual.shape
+    score = utility.flatten(1)
+    top = score.topk(min(slots, score.shape[1]), -1).indices
+    chosen = score.gather(-1, top) > float("-inf")
+    slot = torch.full_like(score, -1, dtype=torch.long).scatter(-1, top, torch.arange(top.shape[1], device=top.device)
+                                                                .expand_as(top).masked_fill(~chosen, -1))
+    codes = anchored.encode_residuals(residual.flatten(1, 2).gather(1, top[..., None].expand(-1, -1, D)))
+    return slot.view(B, Hkv, S), codes * chosen[..., None]

@@ -10,8 +10,10 @@ import torch
 import kvcompile
 from conftest import assert_head_attends, left_padded_batch
 from kvcompile.kernels import anchored, reference
-from kvcompile.methods.anchorkv import nearest
+from kvcompile.methods.anchorkv import AnchorKV, nearest
+from kvcompile.methods.base import Observation
 from kvcompile.methods.rope import rotate
+from kvcompile.methods.snapkv import SnapKV
 from kvcompile.recipes import Recipe, get_recipe
 from test_formats import dtype_pool, outlier_rows
 
@@ -47,6 +49,52 @@ def test_nearest_anchor_by_absolute_cosine_and_its_scale():
     torch.testing.assert_close(gamma[0, 0, 0], torch.tensor(-2.5))
     index, _ = nearest(x, anchors, torch.tensor([[[True, False, True]]]))  # an absent anchor is never chosen
     assert index[0, 0, 0] != 1
+
+
+def _observation(S=40, W=8, Hkv=2, G=2, D=8, seed=0) -> Observation:
+    g = torch.Generator().manual_seed(seed)
+    keys, values = torch.randn(1, Hkv, S, D, generator=g), torch.randn(1, Hkv, S, D, generator=g)
+    queries = torch.randn(1, Hkv * G, W, D, generator=g) * 2
+    return Observation(keys, values, torch.arange(S).expand(1, Hkv, S), torch.ones(1, Hkv, S, dtype=torch.bool),
+                       queries, torch.arange(S - W, S)[None], D**-0.5, 0, 0, 1)
+
+
+def test_anchors_are_the_newest_then_the_snapkv_top_then_seeded_random():
+    """k = max(window, S / per_anchor): the window's newest tokens, floor(0.7 (k - window)) of the rest by SnapKV's
+    score (average pool), the others drawn at random, the same draw for the same seed."""
+    seed = fresh_seed()
+    obs = _observation(seed=seed)
+    method = AnchorKV(window=4, per_anchor=4, seed=seed)
+    chosen = method.anchors(obs)
+    assert chosen.sum(-1).tolist() == [[10, 10]]  # max(4, 40 / 4)
+    assert bool(chosen[..., 36:].all())
+    score = SnapKV(4, 7, smoothing="avg").score(obs)[..., :36]
+    top = score.topk(4, -1).indices  # floor(0.7 * 6) by score, the other 2 at random
+    assert bool(chosen.gather(-1, top).all())
+    assert torch.equal(AnchorKV(window=4, per_anchor=4, seed=seed).anchors(obs), chosen)
+
+
+def test_utilities_are_the_formula_term_by_term():
+    """§11's utilities against a loop over queries: keys (attention squared, logit change squared, ||v - y||^2),
+    values (attention squared, residual squared), averaged over the group's observed queries."""
+    obs = _observation(S=12, W=3, seed=fresh_seed())
+    g = torch.Generator().manual_seed(1)
+    rk, rv = torch.randn(obs.keys.shape, generator=g), torch.randn(obs.values.shape, generator=g)
+    u_k, u_v = AnchorKV(window=3).utilities(obs, rk, rv)
+    attn = obs.window_attention()
+    want_k, want_v = torch.zeros_like(u_k), torch.zeros_like(u_v)
+    Hkv, G = 2, 2
+    for h in range(Hkv):
+        for t in range(12):
+            for qh in range(h * G, h * G + G):
+                for w in range(3):
+                    a = attn[0, qh, w]
+                    y = a @ obs.values[0, h]
+                    dl = float(obs.queries[0, qh, w] @ rk[0, h, t]) * obs.scale
+                    want_k[0, h, t] += a[t] ** 2 * dl**2 * (obs.values[0, h, t] - y).square().sum() / (G * 3)
+                    want_v[0, h, t] += a[t] ** 2 * rv[0, h, t].square().sum() / (G * 3)
+    torch.testing.assert_close(u_k, want_k, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(u_v, want_v, rtol=1e-4, atol=1e-7)
 
 
 def anchored_pool(lengths, P: int, D: int, g: torch.Generator, A: int = 5, R: int = 7):
@@ -157,6 +205,17 @@ def test_anchorkv_refuses_a_budget_its_anchors_do_not_fit_and_leaves_the_cache(l
         low.prefill(ids, mask)
     assert int(low.cache.held().sum()) == 0, "the refused prompt wrote nothing"
     assert cm.cache_stats() == before
+
+
+def test_a_chunked_prefill_encodes_everything_read_so_far_again(llama_cm):
+    """Each chunk's compression reads the rows stored so far back (decoded) and encodes every token against new
+    anchors: all tokens held, within the budget."""
+    ids, mask = _prompt()
+    cm = kvcompile.apply(llama_cm, budget=0.3, recipe="anchorkv", page_size=4, prefill_chunk=128)
+    cm.generate(ids, mask, max_new_tokens=2, eos_token_id=[])
+    stats = cm.cache_stats()
+    assert stats["formats"]["anchor2"]["tokens"] == int(mask.sum()) * 3 * 2
+    assert stats["bytes_held"] <= stats["budget_bytes"] + 2 * 2 * 3 * 2 * cm.cache.token_bytes  # + 2 decoded tokens
 
 
 def test_anchor_pages_refuse_what_cannot_go_with_them():

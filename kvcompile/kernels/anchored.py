@@ -8,7 +8,7 @@ attention reads with it (``FormatPages.anchors``, ``FormatPages.residuals``), pe
                zero for values and for a model without RoPE), rows 1.. the head's anchors, exact; keys before RoPE,
                rotated to their token's position when read
     residuals  [2, B, R, D / 4 + 2] uint8: a coded residual per slot (the layer's heads share them): D 2-bit codes,
-               then the fp16 scale's two bytes
+               then the fp16 scale's two bytes; R <= ``MAX_SLOTS``
 
 Residual codec (§11: randomized Hadamard, 2-bit Lloyd-Max codebook for a Gaussian): y = H(s * r) with fixed random
 signs s, orthonormal, so its coordinates are near-Gaussian with variance ||r||^2 / D; each is coded by the 4-level
@@ -23,6 +23,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..methods.rope import rotate
@@ -32,6 +33,7 @@ from .tq3 import fwht
 LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)  # Lloyd-Max, 4 levels, unit Gaussian
 THRESHOLDS = (-0.9816, 0.0, 0.9816)
 SIGN_SEED = 0
+MAX_SLOTS = 2**15 - 1  # residual slots of a layer and part at most (int16 slots)
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,23 @@ def _signs(head_dim: int, device: torch.device) -> Tensor:
     return (torch.randint(0, 2, (head_dim,), generator=g) * 2 - 1).float().to(device)
 
 
+@functools.cache
+def _rotation(head_dim: int, device: torch.device) -> Tensor:
+    """[D, D] the randomized Hadamard transform as a matrix M: a residual r codes as y = r M^T, decodes as y M."""
+    return fwht(torch.eye(head_dim, device=device)) * _signs(head_dim, device)
+
+
+@functools.cache
+def _byte_levels(device: torch.device) -> Tensor:
+    """[256, 4] the unit levels of the four 2-bit codes in each byte, plane by plane (``packing.pack``'s order)."""
+    planes = unpack(torch.arange(256, dtype=torch.uint8, device=device)[:, None], 2)  # [256, 4]
+    return torch.tensor(LEVELS, device=device)[planes.long()]
+
+
 def encode_residuals(r: Tensor) -> Tensor:
     """Residuals [..., D] -> codes [..., D / 4 + 2] uint8."""
     D = r.shape[-1]
-    y = fwht(r.float() * _signs(D, r.device))
+    y = r.float() @ _rotation(D, r.device).T
     sigma = (y.norm(dim=-1, keepdim=True) / D**0.5).half()
     t = y / sigma.float().clamp_min(1e-30)
     q = torch.bucketize(t, torch.tensor(THRESHOLDS, device=r.device)).to(torch.uint8)
@@ -82,9 +97,16 @@ def encode_residuals(r: Tensor) -> Tensor:
 
 def decode_residuals(codes: Tensor) -> Tensor:
     """``encode_residuals``' inverse: codes [..., D / 4 + 2] -> residuals [..., D] fp32."""
+    y = _levels(codes)
+    return y @ _rotation(y.shape[-1], codes.device)
+
+
+def _levels(codes: Tensor) -> Tensor:
+    """Codes [..., D / 4 + 2] -> their rotated residuals [..., D] (levels times sigma): a byte's four levels read
+    from one table; ``@ _rotation`` finishes decoding them, which a weighted sum can do once after summing."""
     sigma = codes[..., -2:].contiguous().view(torch.float16).float()
-    y = torch.tensor(LEVELS, device=codes.device)[unpack(codes[..., :-2], 2).long()] * sigma
-    return fwht(y) * _signs(y.shape[-1], codes.device)
+    levels = F.embedding(codes[..., :-2].long(), _byte_levels(codes.device))  # [..., D / 4, 4]: plane p: p D/4..
+    return levels.transpose(-1, -2).flatten(-2) * sigma
 
 
 def residual_error_bound(r: Tensor) -> Tensor:
@@ -92,7 +114,7 @@ def residual_error_bound(r: Tensor) -> Tensor:
     sigma) is off by at most half the gap between its two nearest levels inside the codebook (0.529), or by how far
     it lies past the outer level; the rotation keeps L2; plus sigma's fp16 rounding on every level."""
     D = r.shape[-1]
-    y = fwht(r.float() * _signs(D, r.device))
+    y = r.float() @ _rotation(D, r.device).T
     sigma = y.norm(dim=-1, keepdim=True) / D**0.5
     per = torch.maximum(torch.full_like(y, (LEVELS[3] - LEVELS[2]) / 2) * sigma, y.abs() - LEVELS[3] * sigma)
     return per.norm(dim=-1) + LEVELS[3] * sigma[..., 0] * D**0.5 * 2.0**-10 + 1e-6
@@ -101,18 +123,34 @@ def residual_error_bound(r: Tensor) -> Tensor:
 def decode(codes: Tensor, anchors: Tensor, residuals: Tensor, pos: Tensor, rotary: bool) -> Tensor:
     """Rows [B, Hkv, S, D] fp32 of the codes [B, Hkv, S, 3] at positions ``pos`` [B, Hkv, S], against their
     sequences' ``anchors`` [B, Hkv, 1 + A, D] and ``residuals`` [B, R, W]; keys (``rotary``) rotated to ``pos``."""
+    scaled, rotated = _terms(codes, anchors, residuals)
+    rows = scaled if rotated is None else scaled + rotated @ _rotation(scaled.shape[-1], codes.device)
+    if rotary and anchors.shape[2]:
+        rows = rotate(rows, pos.clamp_min(0), anchors[0, 0, 0, : rows.shape[-1] // 2], torch.float32)
+    return rows
+
+
+def mix(p: Tensor, codes: Tensor, anchors: Tensor, residuals: Tensor) -> Tensor:
+    """Weights p [B, Hkv, G, S] times the rows of value codes [B, Hkv, S, 3]: [B, Hkv, G, D]; the residuals summed
+    while still rotated, so the rotation is undone once per query instead of once per row."""
+    scaled, rotated = _terms(codes, anchors, residuals)
+    out = torch.matmul(p, scaled)
+    return out if rotated is None else out + torch.matmul(p, rotated) @ _rotation(out.shape[-1], codes.device)
+
+
+def _terms(codes: Tensor, anchors: Tensor, residuals: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Each row's anchor times its gamma, and its residual still rotated (0 without a slot; None: no slots)."""
     B, Hkv, S, _ = codes.shape
-    D = anchors.shape[-1]
+    A1, D = anchors.shape[2], anchors.shape[-1]
     index, slot = codes[..., 0].long() + 1, codes[..., 2].long()
     gamma = codes[..., 1].contiguous().view(torch.float16).float()
-    rows = gamma[..., None] * anchors.gather(2, index[..., None].expand(-1, -1, -1, D))
-    if residuals.shape[1]:
-        at = slot.clamp_min(0).view(B, Hkv * S, 1).expand(-1, -1, residuals.shape[-1])
-        coded = residuals.gather(1, at).view(B, Hkv, S, -1)
-        rows = rows + decode_residuals(coded) * (slot >= 0)[..., None]
-    if rotary and anchors.shape[2]:
-        rows = rotate(rows, pos.clamp_min(0), anchors[0, 0, 0, : D // 2])
-    return rows
+    head = torch.arange(B * Hkv, device=codes.device).view(B, Hkv, 1) * A1
+    scaled = gamma[..., None] * F.embedding(head + index, anchors.reshape(-1, D))  # each row's anchor, one lookup
+    if not residuals.shape[1]:
+        return scaled, None
+    at = (torch.arange(B, device=codes.device).view(B, 1, 1) * residuals.shape[1] + slot.clamp_min(0)).flatten()
+    coded = residuals.reshape(-1, residuals.shape[-1]).index_select(0, at).view(B, Hkv, S, -1)
+    return scaled, _levels(coded) * (slot >= 0)[..., None]
 
 
 def encode_rows(index: Tensor, gamma: Tensor, slot: Tensor) -> Tensor:

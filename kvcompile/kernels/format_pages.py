@@ -85,8 +85,7 @@ class FormatPages(NamedTuple):
         summed in their basis and the sum mapped back (the basis applied after attention)."""
         codes, meta = gather_pages(self.v, table), gather_pages(self.v_meta, table)
         if self.anchored:
-            values = self.rows(1, table, gather_pages(self.pos, table).long(), head_dim)
-            return torch.matmul(p, values.to(p.dtype))
+            return anchored.mix(p.float(), codes, self.anchors[1], self.residuals[1]).to(p.dtype)
         if self.latent:
             basis = self.basis[1].to(p.dtype)  # the weighted sum, then up and the mean (p's mass in this tile)
             mixed = torch.matmul(torch.matmul(p, latent.latent_rows(codes, meta, self.basis[1]).to(p.dtype)),

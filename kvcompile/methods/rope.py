@@ -9,14 +9,15 @@ import torch
 from torch import Tensor
 
 
-def rotate(x: Tensor, delta: Tensor, inv_freq: Tensor) -> Tensor:
+def rotate(x: Tensor, delta: Tensor, inv_freq: Tensor, precision: torch.dtype = torch.float64) -> Tensor:
     """``x`` [..., D] rotated by ``delta`` [...] positions (a post-RoPE vector moves to another position; a negative
     delta of its own position returns it to before RoPE, up to the model's ``attention_scaling``). The first
-    2 * len(inv_freq) channels are rotated, the rest, if any, left alone. Computed in float64."""
+    2 * len(inv_freq) channels are rotated, the rest, if any, left alone. Computed in ``precision`` (float32: as
+    transformers computes RoPE itself, where a decode step reads every row)."""
     rot = 2 * inv_freq.shape[0]
-    angle = delta[..., None].double() * inv_freq.double()  # [..., rot / 2]
+    angle = delta[..., None].to(precision) * inv_freq.to(precision)  # [..., rot / 2]
     cos, sin = torch.cat([angle.cos(), angle.cos()], -1), torch.cat([angle.sin(), angle.sin()], -1)
-    v = x[..., :rot].double()
+    v = x[..., :rot].to(precision)
     half = torch.cat([-v[..., rot // 2:], v[..., : rot // 2]], -1)
     return torch.cat([(v * cos + half * sin).to(x.dtype), x[..., rot:]], -1)
 
