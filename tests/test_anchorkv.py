@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import kvcompile
-from conftest import assert_head_attends, left_padded_batch
+from conftest import left_padded_batch, tiny_model
 from kvcompile.kernels import anchored, reference
 from kvcompile.methods.anchorkv import AnchorKV, nearest
 from kvcompile.methods.base import Observation
 from kvcompile.methods.rope import rotate
 from kvcompile.methods.snapkv import SnapKV
 from kvcompile.recipes import Recipe, get_recipe
-from test_formats import dtype_pool, outlier_rows
+from test_formats import check_attention_over_both, outlier_rows
 
 
 def fresh_seed() -> int:
@@ -138,18 +138,7 @@ def test_attention_over_anchored_and_dtype_pages_equals_dense_attention_over_bot
     """Heads of lengths 1, P and P + 1 in the anchored pool (ragged ones in the model-dtype pool), GQA, prefill and
     decode: attention equals one softmax over the rows decoded by hand (anchor scaled, residual, RoPE) and the
     model-dtype entries."""
-    g, D, Hq = torch.Generator().manual_seed(fresh_seed()), 16, 6
-    stored_lengths = [1, P, P + 1]
-    stored, stored_heads = anchored_pool(stored_lengths, P, D, g)
-    start = max(stored_lengths)
-    pool, dtype_heads = dtype_pool([3, 0, 2 + T], P, D, g, start)
-    q = torch.randn(1, Hq, T, D, generator=g)
-    q_pos = (start + 2 + torch.arange(T))[None]
-    out = reference.paged_attention(q, q_pos, *pool, 0.3, window, stored=stored, block_bytes=64)
-    G = Hq // len(stored_lengths)
-    for h in range(len(stored_lengths)):
-        keys, values, pos = (torch.cat([a, b.to(a.dtype)]) for a, b in zip(stored_heads[h], dtype_heads[h]))
-        assert_head_attends(out, q, q_pos, h, G, keys, values, pos, window, tol=1e-4)
+    check_attention_over_both(anchored_pool, P, T, window)
 
 
 # --------------------------------------------------------------------------- through the public API
@@ -205,6 +194,25 @@ def test_anchorkv_refuses_a_budget_its_anchors_do_not_fit_and_leaves_the_cache(l
         low.prefill(ids, mask)
     assert int(low.cache.held().sum()) == 0, "the refused prompt wrote nothing"
     assert cm.cache_stats() == before
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_anchorkv_on_a_hybrid_model_and_a_single_kv_head(family):
+    """Gemma-3's sliding layers rotate keys with their own frequencies (each layer's table row holds its own);
+    Qwen3 has one KV head: every token held, bytes within the budget, the newest tokens exact."""
+    model = tiny_model(family)
+    ids, mask = _prompt()
+    full = kvcompile.apply(model, budget=1.0, recipe="full", page_size=4)
+    full.prefill(ids, mask)
+    cm = kvcompile.apply(model, budget=0.35, recipe="anchorkv", page_size=4)
+    cm.prefill(ids, mask)
+    stats = cm.cache_stats()
+    assert stats["formats"]["anchor2"]["tokens"] == stats["tokens_held"] == int(mask.sum()) * 2 * cm.spec.num_kv_heads
+    assert stats["bytes_held"] <= stats["budget_bytes"]
+    for layer in range(2):
+        got, want = _held(cm, layer), _held(full, layer)
+        newest = (got[2] >= mask.sum(1).view(2, 1, 1) - 32) & got[3]
+        torch.testing.assert_close(got[0][newest], want[0][newest], atol=1e-4, rtol=1e-4)
 
 
 def test_a_chunked_prefill_encodes_everything_read_so_far_again(llama_cm):

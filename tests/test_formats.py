@@ -134,9 +134,15 @@ def test_attention_over_format_and_dtype_pages_equals_dense_attention_over_both(
     """Heads of lengths 1, P and P + 1 in the format pool (and ragged ones in the model-dtype pool), GQA: the merged
     attention (one partial softmax per pool and tile, merged by log-sum-exp) equals one softmax over the decoded
     entries of both pools."""
+    check_attention_over_both(lambda *a: format_pool(name, *a), P, T, window)
+
+
+def check_attention_over_both(build, P: int, T: int, window: int) -> None:
+    """``build(lengths, P, D, g)``'s format pool with heads of lengths 1, P and P + 1 (and ragged heads in the
+    model-dtype pool), GQA, T new queries: attention equals one softmax over both pools' decoded entries."""
     g, D, Hq = torch.Generator().manual_seed(fresh_seed()), 16, 6
     stored_lengths = [1, P, P + 1]
-    stored, stored_heads = format_pool(name, stored_lengths, P, D, g)
+    stored, stored_heads = build(stored_lengths, P, D, g)
     start = max(stored_lengths)
     pool, dtype_heads = dtype_pool([3, 0, 2 + T], P, D, g, start)
     q = torch.randn(1, Hq, T, D, generator=g)
