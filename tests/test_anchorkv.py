@@ -234,9 +234,18 @@ def test_anchor_pages_refuse_what_cannot_go_with_them():
         get_recipe("snapkv+anchor2")
 
 
-def test_anchorkv_compiled_generates_what_eager_does(llama_cm):
+def test_anchorkv_compiled_generates_what_eager_does_without_recompiling_per_length(llama_cm):
+    """The tables are program inputs whose anchor and slot counts vary with the prompt: marked dynamic, so a second
+    prompt length reuses the compiled programs."""
+    import torch._dynamo.utils as dynamo_utils
+
     ids, mask = left_padded_batch([40, 25], total=40)
     eager = kvcompile.apply(llama_cm, budget=1.0, recipe="anchorkv", page_size=4)
     compiled = kvcompile.apply(llama_cm, budget=1.0, recipe="anchorkv", page_size=4, compile=True)
     want = eager.generate(ids, mask, max_new_tokens=6, eos_token_id=[])
     assert torch.equal(compiled.generate(ids, mask, max_new_tokens=6, eos_token_id=[]), want)
+    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+    other = left_padded_batch([48, 70], total=70, seed=4)
+    assert torch.equal(compiled.generate(*other, max_new_tokens=6, eos_token_id=[]),
+                       eager.generate(*other, max_new_tokens=6, eos_token_id=[]))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs, "another prompt length recompiled"
