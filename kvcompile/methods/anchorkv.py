@@ -56,9 +56,9 @@ class AnchorKV:
         """[B, Hkv, S] each token's refinement utility for its key and its value (§11): the observed queries' squared
         attention times the squared logit change its key residual (before RoPE, ``key_residuals``) causes, times
         ||v_t - y||^2, for keys; times its value residual's squared norm for values; averaged over the queries."""
-        B, Hkv, S, D = obs.keys.shape
+        B, Hkv, S, _ = obs.keys.shape
         attn = obs.window_attention().float()  # [B, Hq, W, S]
-        Hq, W = attn.shape[1], attn.shape[2]
+        Hq = attn.shape[1]
         grouped = lambda x: x.repeat_interleave(Hq // Hkv, 1)  # noqa: E731  ([B, Hkv, ...] -> [B, Hq, ...])
         inv_freq = obs.weights.get("inv_freq")
         rotated = key_residuals if inv_freq is None else rotate(key_residuals, obs.positions.clamp_min(0), inv_freq)

@@ -55,7 +55,7 @@ class Recipe:
         if self.format is not None and get_format(self.format).anchored and (
                 self.scorer or self.precise_recent or self.precise_anchors or self.decode or self.merge):
             raise ValueError(f"recipe {self.name!r}: {self.format} pages hold every token, encoded against its "
-                             "anchors when the prompt is compressed; no scorer, precise window, anchors pages, decode "
+                             "anchors when the prompt is compressed; no scorer, precise window, anchor pages, decode "
                              "schedule or merging goes with them")
         if self.merge is not None:
             self._check_merge()
