@@ -14,14 +14,10 @@ from torch import Tensor
 
 from .cache import PagedKVCache
 from .kernels import anchored
-from .kernels.formats import get_format
 from .methods.anchorkv import AnchorKV, nearest
+from .methods.rope import pre_rope
 from .observation import observe
 from .plan import STORED_FORMAT, AnchoredEntries, Plan
-
-
-def is_anchored(cache: PagedKVCache) -> bool:
-    return cache.page_format is not None and get_format(cache.page_format).anchored
 
 
 def base_bytes(cache: PagedKVCache, held: Tensor, method: AnchorKV = AnchorKV()) -> Tensor:
@@ -58,7 +54,7 @@ def plan(cache: PagedKVCache, layers, budget_bytes: Tensor, method: AnchorKV = A
                                           f"{2 * inv_freq.shape[0]} of {D} channels")
             tables[layer.index, 0, :, :, 0, : D // 2] = inv_freq.float()
         present = method.anchors(obs)
-        found = [_assign(x, present, A) for x in (method.keys_before_rope(obs), obs.values.float())]
+        found = [_assign(x, present, A) for x in (pre_rope(obs, obs.keys.float(), obs.positions), obs.values.float())]
         utilities = method.utilities(obs, found[0][3], found[1][3])
         for part, ((vectors, index, gamma, residual), utility) in enumerate(zip(found, utilities)):
             slot, codes = _refine(residual, utility.masked_fill(~obs.valid | present, float("-inf")), slots)

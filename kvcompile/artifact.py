@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 
 from .budget import Budget
 from .cache import PagedKVCache
-from .kernels.formats import get_format
 from .methods.spectra import Moments
 from .model import CompressedModel
 from .programs import Programs
@@ -105,8 +104,7 @@ def export(cm: CompressedModel, path, *, backend: str = "aoti") -> Path:
         example = _example(cm, 1 if decode else 8, cm.decode_window if decode else 2)
         file = out / f"{name}{_SUFFIX[backend]}"
         with torch.no_grad():
-            fmt = cm.recipe.format
-            shapes = _dynamic_shapes(decode, fmt is not None, cm.cache.weighted, bool(fmt and get_format(fmt).anchored))
+            shapes = _dynamic_shapes(decode, cm.recipe.format is not None, cm.cache.weighted, cm.cache.anchored)
             ep = torch.export.export(program, example, dynamic_shapes=shapes, strict=False)
             if backend == "aoti":
                 torch._inductor.aoti_compile_and_package(ep, package_path=str(file))

@@ -190,7 +190,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     which the allocator then shares among what is still visible (on a hybrid model, mostly the global layers)."""
     precise_recent, anchors = recipe.precise_recent, recipe.precise_anchors
     check_fits(cache, recipe, scorer, budget_bytes, cache.seen)
-    if anchoring.is_anchored(cache):  # AnchorKV evicts nothing: every token is encoded against its anchors
+    if cache.anchored:  # AnchorKV evicts nothing: every token is encoded against its anchors
         cache.keep(anchoring.plan(cache, layers, budget_bytes))
         return
     held = cache.held().long()
@@ -241,14 +241,14 @@ def check_fits(cache: PagedKVCache, recipe, scorer: Scorer | None, budget_bytes:
     if cache.page_format is None:
         return
     held, precise = cache.counts_after(window, anchors, seen, fresh)
-    recent = cache.pages_held(precise).sum(dim=(0, 2)) * cache.page_bytes
     budget = f"the budget ({int(budget_bytes.min())} bytes in a sequence)"
-    if anchoring.is_anchored(cache):
+    if cache.anchored:
         need = anchoring.base_bytes(cache, held)
         if bool((need > budget_bytes).any()):
             raise ValueError(f"AnchorKV's anchors and the rows of every token need {int(need.max())} bytes in a "
                              f"sequence, over {budget}; raise the budget")
         return
+    recent = cache.pages_held(precise).sum(dim=(0, 2)) * cache.page_bytes
     if bool((recent > budget_bytes).any()):
         what = f" and every {anchors}th page (precise_anchors)" if anchors else ""
         raise ValueError(f"the newest {window} tokens in the model's dtype (precise_recent){what} alone exceed "

@@ -16,8 +16,7 @@ from kvcompile.kernels.packing import pack, unpack
 from kvcompile.recipes import Recipe, in_format
 
 CODECS = {f"{name}.{part}": getattr(f, part) for name, f in FORMATS.items() for part in ("key", "value")
-          if not getattr(getattr(f, part), "page_local", False) and not f.latent  # latent rows: test_spectra
-          and not f.anchored}  # rows against a sequence's anchors: test_anchorkv
+          if not getattr(getattr(f, part), "page_local", False) and not f.decoded}  # test_spectra, test_anchorkv
 
 
 def fresh_seed() -> int:

@@ -77,7 +77,7 @@ def main():
     k, v, page_pos, table, lengths = pools(torch.float32)
     q = torch.randn(2, 8, 1, 64)
     for name, fmt in FORMATS.items():
-        if fmt.latent or fmt.anchored:  # read in PyTorch on every device: no kernel
+        if fmt.decoded:  # read in PyTorch on every device: no kernel
             continue
         kc, km = encode_pool(fmt.key, k)
         vc, vm = encode_pool(fmt.value, v)

@@ -24,9 +24,14 @@ MIN_SLOTS = 2
 class AnchorTables:
     """AnchorKV's table state and its one writer (mixed into ``PagedKVCache`` through ``FormatPool``)."""
 
+    @property
+    def anchored(self) -> bool:
+        """Whether the page format is AnchorKV's (its rows decode against these tables)."""
+        return self.page_format is not None and get_format(self.page_format).anchored
+
     def _empty_anchor_tables(self, batch_size: int) -> None:
         L, Hkv, D, dev = self.num_layers, self.num_kv_heads, self.head_dim, self.device
-        on = self.page_format is not None and get_format(self.page_format).anchored
+        on = self.anchored
         n = MIN_SLOTS if on else 0
         self.fmt_anchors = torch.zeros(L, 2 * on, batch_size, Hkv, n + on, D, device=dev)
         self.fmt_residuals = torch.zeros(L, 2 * on, batch_size, n, residual_bytes(D) * on, dtype=torch.uint8,

@@ -38,9 +38,8 @@ MAX_SLOTS = 2**15 - 1  # residual slots of a layer and part at most (int16 slots
 
 @dataclass(frozen=True)
 class AnchorCodec:
-    """One part's rows (``rotary``: keys, which the anchors hold before RoPE): 6 bytes a row, no page metadata."""
+    """Keys' or values' rows: 6 bytes a row, no page metadata (keys are the part whose anchors sit before RoPE)."""
 
-    rotary: bool = False
     page_local = False
 
     def row_bytes(self, head_dim: int) -> int:

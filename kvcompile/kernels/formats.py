@@ -128,6 +128,12 @@ class PageFormat:
         """Rows decoded against their sequence's anchors (AnchorKV): compression encodes them (``anchoring``)."""
         return isinstance(self.key, AnchorCodec)
 
+    @property
+    def decoded(self) -> bool:
+        """Rows that decode against a table the cache holds (``latent``, ``anchored``): the PyTorch path reads them
+        on every device, no kernel does (as ``FormatPages.decoded``)."""
+        return self.latent or self.anchored
+
     def token_bytes(self, head_dim: int, page_size: int = 1) -> float:
         """Bytes of K plus V of one stored token, a page's metadata shared by its ``page_size`` tokens."""
         return self.page_bytes(head_dim, page_size) / page_size
@@ -146,7 +152,7 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("tq3", TQ3Keys(), TQ3Values()),  # Minima-KV's packed 3-bit pages
     *(PageFormat(f"spectra{b}", LatentCodec(b, 32, rotary=True), LatentCodec(b, 32)) for b in (4, 3, 2)),
     PageFormat("saki4", LatentCodec(4, 32, rotary=True, basis="saki"), LatentCodec(4, 32, basis="identity")),
-    PageFormat("anchor2", AnchorCodec(rotary=True), AnchorCodec()),
+    PageFormat("anchor2", AnchorCodec(), AnchorCodec()),
 )}
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .base import Observation
-from .rope import pre_rope, rotate
+from .rope import rotate
 from .snapkv import SnapKV
 
 
@@ -47,10 +47,6 @@ class AnchorKV:
         g = torch.Generator().manual_seed(self.seed)
         draw = torch.rand(valid.shape, generator=g).to(valid.device).masked_fill(~(rest & ~snapped), -1.0)
         return newest | snapped | (_rank(draw) < n_rand) & rest & ~snapped
-
-    def keys_before_rope(self, obs: Observation) -> Tensor:
-        """[B, Hkv, S, D] the held keys before RoPE (as they are for a model without it)."""
-        return pre_rope(obs, obs.keys.float(), obs.positions)
 
     def utilities(self, obs: Observation, key_residuals: Tensor, value_residuals: Tensor) -> tuple[Tensor, Tensor]:
         """[B, Hkv, S] each token's refinement utility for its key and its value (§11): the observed queries' squared

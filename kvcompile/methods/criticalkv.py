@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import LayerWeights, Observation, Wrapper, merge_rankings, register_scorer
+from .sources import output_projection
 
 
 @register_scorer("criticalkv")
@@ -53,12 +54,11 @@ class CriticalKV(Wrapper):
         """[B, heads, S] ||W_o^r v||_1 per query head r (``heads`` = Hq), or its mean over each KV head's query heads
         (``heads`` = Hkv); ||v||_1 when not ``projected``. Built ``chunk`` entries at a time: [B, Hq, chunk, hidden]."""
         values = obs.values.float()
-        B, Hkv, S, D = values.shape
+        B, Hkv, S, _ = values.shape
         if not self.projected:
             return values.abs().sum(-1).repeat_interleave(heads // Hkv, 1)
-        w_o = obs.weights["o_proj"].float()  # [hidden, Hq * D]
-        Hq = w_o.shape[1] // D
-        per_head = w_o.view(-1, Hq, D)
+        per_head = output_projection(obs)  # [hidden, Hq, D]
+        Hq = per_head.shape[1]
         norms = torch.cat([torch.einsum("bhsd,ehd->bhse", values[:, :, i:i + chunk].repeat_interleave(Hq // Hkv, 1),
                                         per_head).abs().sum(-1) for i in range(0, S, chunk)], -1)
         return norms if heads == Hq else norms.view(B, Hkv, Hq // Hkv, S).mean(2)

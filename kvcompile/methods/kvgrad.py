@@ -9,6 +9,7 @@ import torch
 
 from .base import Gradients, LayerWeights, Observation, QueryWindow, Reconstruction, register_scorer
 from .kvzip import KVzip
+from .sources import output_projection
 
 
 @register_scorer("kvgrad")
@@ -41,10 +42,8 @@ class KVgrad(KVzip):
 def output_norms(obs: Observation):
     """[B, Hq, S] ||W_O^r v_c|| for every query head r and held value c: v' (W_O^r' W_O^r) v per head, so no
     [S, hidden] product is built."""
-    B, Hkv, S, D = obs.values.shape
-    w_o = obs.weights["o_proj"].float()  # [hidden, Hq * D]
-    Hq = w_o.shape[1] // D
-    per_head = w_o.view(-1, Hq, D)
+    per_head = output_projection(obs)  # [hidden, Hq, D]
+    Hq, Hkv = per_head.shape[1], obs.values.shape[1]
     gram = torch.einsum("ehd,ehf->hdf", per_head, per_head)  # [Hq, D, D]
     values = obs.values.float().repeat_interleave(Hq // Hkv, 1)  # [B, Hq, S, D]
     return torch.einsum("bhsd,hdf,bhsf->bhs", values, gram, values).clamp_min(0).sqrt()

@@ -52,6 +52,13 @@ class LayerWeights(Source):
     name: str
 
 
+def output_projection(obs):
+    """[hidden, Hq, D] the ``"o_proj"`` weight of an observation split by query head (what head r's attention output
+    adds to the residual stream goes through [:, r])."""
+    w_o = obs.weights["o_proj"].float()  # [hidden, Hq * D]
+    return w_o.view(w_o.shape[0], -1, obs.keys.shape[-1])
+
+
 @dataclass(frozen=True)
 class HiddenStates(Source):
     """Each layer's attention input (the normed hidden state its key and value projections read) for every held
