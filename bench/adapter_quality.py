@@ -5,16 +5,15 @@ full cache), but every cell with its own prefill: a sweep forks all cells from o
 model, which an adapted model cannot share.
 
     python bench/adapter_quality.py --recipes h2o,sparse-finetune-h2o --budgets 1.0,0.25,0.1,0.05 \\
-        --out bench/results/sparse_finetune_quality
+        --out bench/results/adapter_quality/sparse_finetune_quality
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
+from record import Results
 from tqdm import tqdm
 
 import kvcompile
@@ -59,20 +58,20 @@ def main() -> None:
     parser.add_argument("--tasks", default="niah_single_1,passkey")
     parser.add_argument("--n-samples", type=int, default=3)
     parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/adapter_quality"))
+    parser.add_argument("--out", help="path stem of what is written (default "
+                        "bench/results/adapter_quality/adapter_quality)")
     args = parser.parse_args()
+    out = Results("adapter_quality", args.out)
     model, tok = kvcompile.load_model(args.model)
     rows = run(model, tok, args.recipes.split(","), [float(b) for b in args.budgets.split(",")],
                args.tasks.split(","), args.n_samples, args.length)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps({"config": vars(args) | {"out": str(args.out)}, "rows": rows},
-                                                        indent=1))
+    out.json({"config": vars(args) | {"out": str(out.stem)}, "rows": rows})
     lines = [f"{args.model} @ {args.length} tokens, {args.n_samples} samples per task, seed 0, query-agnostic; each "
              "cell its own prefill; KL against the plain model's full cache.", "",
              "| task | recipe | budget | n | score | KL mean | top-1 | KiB held |", "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['task']} | {r['recipe']} | {r['budget']:g} | {r['n']} | {r['score']:.2f} | {r['kl']:.3f} | "
               f"{r['top1']:.2f} | {r['bytes_held'] / 1024:.0f} |" for r in rows]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.markdown("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -1,11 +1,12 @@
-"""Where AnchorKV's bytes go and what its rows keep (METHODS.md §11), against the integer formats, on a real model.
+"""Where AnchorKV's bytes go and what its rows keep (docs/guide.md, page formats), against the integer formats, on a
+real model.
 
 On prose windows of ``--lengths`` tokens, each cell prefills one window through ``kvcompile.apply`` (AnchorKV at
 each ``--budgets``; ``full+int3`` and ``full+int2`` beside it) and reads every layer's keys and values back from the
 cache: their error relative to the full cache's (||x' - x|| / ||x||, averaged over tokens, heads and layers), and
 the share of the fp32 bytes held, split into rows, anchor tables and residual slots for AnchorKV. "anchors only"
 is the budget that leaves no residual slot: each token is its nearest anchor scaled. Writes
-``bench/results/anchorkv.{json,md}``.
+``bench/results/anchorkv/anchorkv.{json,md}`` (``--out``).
 
     python bench/anchorkv.py --lengths 1024,4096 --budgets 0.25,0.125,0.1,0.0625
 """
@@ -13,17 +14,14 @@ is the budget that leaves no residual slot: each token is its nearest anchor sca
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
 from kvcompile.anchoring import base_bytes
 from kvcompile.eval.fidelity import calibration_windows
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def _errors(cm, full) -> tuple[float, float]:
@@ -73,8 +71,10 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--lengths", default="1024,4096")
     parser.add_argument("--budgets", default="0.25,0.125,0.1,0.0625")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="path stem of what is written (default "
+                        "bench/results/anchorkv/anchorkv)")
     args = parser.parse_args()
+    out = Results("anchorkv", args.out)
     model, tokenizer = kvcompile.load_model(args.model)
     rows = []
     for length in map(int, args.lengths.split(",")):
@@ -95,10 +95,9 @@ def main() -> None:
             row = _cell(model, ids, full, recipe, budget) | {"tokens": length, "label": label}
             rows.append(row)
             print(row, flush=True)
-    out = Path(args.out or RESULTS / "anchorkv")
     config = {"model": args.model, "lengths": args.lengths, "budgets": args.budgets}
-    out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(rows, config))
+    out.json({"config": config, "rows": rows})
+    out.markdown(markdown(rows, config))
     print(markdown(rows, config))
 
 

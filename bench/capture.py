@@ -1,10 +1,10 @@
 """Capture time, cold and warm: ``kvcompile.apply`` in a fresh process with an empty capture cache, then in another
 fresh process on the same model (the programs come from the cache), in one run on one machine.
 
-    python bench/capture.py --model smollm2-135m --rounds 3 --out bench/results/capture_cache
+    python bench/capture.py --model smollm2-135m --rounds 3 --out bench/results/capture/capture_cache
 
 Each round uses a new, empty cache folder; the table gives the seconds of ``apply`` itself (the model is loaded
-before the clock starts) and warm / cold.
+before the clock starts) and warm / cold. Writes ``bench/results/capture/capture.{json,md}`` by default.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from record import Results
 
 _CHILD = """
 import json, sys, time, torch
@@ -41,8 +42,9 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--out", type=Path, default=None, help="write OUT.md and OUT.json")
+    parser.add_argument("--out", help="write OUT.md and OUT.json (default bench/results/capture/capture)")
     args = parser.parse_args(argv)
+    out = Results("capture", args.out)
     rows = []
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as cache:
@@ -50,22 +52,20 @@ def main(argv=None) -> None:
             warm = apply_seconds(args.model, cache, args.threads)
             size = sum(p.stat().st_size for p in Path(cache).rglob("*") if p.is_file())
         rows.append({"round": r, "cold_s": cold, "warm_s": warm, "ratio": warm / cold, "cache_bytes": size})
-        print(f"round {r}: cold {cold:.2f} s, warm {warm:.2f} s, warm/cold {warm / cold:.3f}, cache {size / 2**20:.2f} MiB")
+        print(f"round {r}: cold {cold:.2f} s, warm {warm:.2f} s, warm/cold {warm / cold:.3f}, "
+              f"cache {size / 2**20:.2f} MiB")
     med = {k: statistics.median(row[k] for row in rows) for k in ("cold_s", "warm_s", "ratio")}
     lines = [
         f"# Capture time cold and warm ({args.model}, {args.threads} torch threads)", "",
         f"Command: `python bench/capture.py --model {args.model} --rounds {args.rounds}`", "",
         "| round | cold apply (s) | warm apply (s) | warm / cold | cache MiB |", "|---|---|---|---|---|",
-        *[f"| {r['round']} | {r['cold_s']:.2f} | {r['warm_s']:.2f} | {r['ratio']:.3f} | {r['cache_bytes'] / 2**20:.2f} |"
-          for r in rows],
+        *[f"| {r['round']} | {r['cold_s']:.2f} | {r['warm_s']:.2f} | {r['ratio']:.3f} | "
+          f"{r['cache_bytes'] / 2**20:.2f} |" for r in rows],
         f"| median | {med['cold_s']:.2f} | {med['warm_s']:.2f} | {med['ratio']:.3f} | |",
     ]
     print("\n".join(lines))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps({"model": args.model, "threads": args.threads,
-                                                             "rounds": rows, "median": med}, indent=1))
+    out.markdown("\n".join(lines))
+    out.json({"model": args.model, "threads": args.threads, "rounds": rows, "median": med})
 
 
 if __name__ == "__main__":

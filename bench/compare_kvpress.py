@@ -10,7 +10,7 @@ environments, joined by JSON files:
    kvpress's own pipeline does); bytes held = every tensor the cache keeps after compression plus the head masks
    AdaKV stores on the attention modules (kvpress masks evicted keys, it does not free them).
 3. ``python bench/compare_kvpress.py kvcompile`` (kvcompile env): the matching recipes on the same prompts
-   (``kvcompile.eval.sweep``), then the merged table ``bench/results/kvpress.{json,md}``.
+   (``kvcompile.eval.sweep``), then the merged table ``bench/results/compare_kvpress/kvpress.{json,md,png}``.
 
 Step 2 imports nothing from kvcompile, so it runs where kvcompile cannot be installed. Steps 2 and 3 are
 independent until the merge: ``--presses`` runs a subset of ``PAIRS`` (by kvpress name; the cells land in the same
@@ -19,10 +19,11 @@ table from the two raw files (step 3 also writes it when step 2's file exists). 
 stopped: step 2 skips every cell its raw file holds in full (``--redo`` runs them again), step 3 keeps each finished
 context's rows in ``kvcompile.sqlite`` (a ``kvcompile.eval.store.Store``) and builds its cells from every stored row.
 The grid of the docs (4 tasks x 10 samples x 3 budgets x 35 pairs) is about 7 CPU-hours a side at one thread, more
-than one session's machine: ``save`` copies what is finished to ``bench/results/kvpress_grid`` (``--keep``), and on
-a new machine ``prompts`` then ``restore`` put it back before the steps resume. Set ``HF_HUB_OFFLINE=1`` for step 2
-where the hub cannot be reached, so a press that downloads (DuoAttention's dataset) fails at once instead of retrying;
-Q-Filters reads the filters the prompts step calibrated on this model (`qfilters.json`) on both sides.
+than one session's machine: ``save`` copies what is finished to ``bench/results/compare_kvpress/kvpress_grid/``
+(``--keep``), and on a new machine ``prompts`` then ``restore`` put it back before the steps resume. Set
+``HF_HUB_OFFLINE=1`` for step 2 where the hub cannot be reached, so a press that downloads (DuoAttention's dataset)
+fails at once instead of retrying; Q-Filters reads the filters the prompts step calibrated on this model
+(`qfilters.json`) on both sides.
 
 kvpress presses that need attention weights (ObservedAttention) run with eager attention during the context
 prefill, as kvpress requires; everything else runs with sdpa. Every prompt starts from a model without head masks:
@@ -38,6 +39,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+from record import Results, default_stem
 
 PAIRS = [  # (kvpress press, kvcompile recipe); kvpress hyperparameters are set to the recipe's
     ("StreamingLLM", "streamingllm"),
@@ -268,10 +271,9 @@ def _kvpress(args) -> None:
     import contextlib
     import copy
 
+    import kvpress
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-
-    import kvpress
 
     data = json.loads((args.dir / "prompts.json").read_text())
     if (args.dir / "qfilters.json").exists():  # kvpress scores -<f, k>, kvcompile +<u, k>: f = -u
@@ -505,9 +507,10 @@ def _merge(args) -> None:
                 continue
             row = {"method": press, "recipe": recipe, "budget": budget}
             if kp:
-                row.update(kvpress_score=_mean(kp["scores"]), kvpress_kl=_mean(kp["kl"]), kvpress_top1=_mean(kp["top1"]),
-                           kvpress_bytes_held=_mean(kp["held"]), kvpress_s_per_prompt=_mean(kp["seconds"]),
-                           kvpress_error=kp.get("error"), kvpress_scores=kp["scores"], kvpress_answers=kp.get("answers"))
+                row.update(kvpress_score=_mean(kp["scores"]), kvpress_kl=_mean(kp["kl"]),
+                           kvpress_top1=_mean(kp["top1"]), kvpress_bytes_held=_mean(kp["held"]),
+                           kvpress_s_per_prompt=_mean(kp["seconds"]), kvpress_error=kp.get("error"),
+                           kvpress_scores=kp["scores"], kvpress_answers=kp.get("answers"))
             if o and o["n"]:
                 prefill = 0.0 if o.get("prefill_included") else o["prefill_s"] or 0.0
                 row.update(kvcompile_score=o["score"] / o["n"], kvcompile_kl=o["kl"] / o["n"],
@@ -516,12 +519,11 @@ def _merge(args) -> None:
             elif o:
                 row["kvcompile_error"] = o["error"]
             rows.append(row)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Results("compare_kvpress", args.out, name="kvpress")
     meta = {"model": data["model"], "length": data["length"], "tasks": data["tasks"], "n_samples": data["n_samples"],
             "seed": data["seed"], "budgets": args.budgets, "kvpress": raw["kvpress"],
             "transformers_for_kvpress": raw["transformers"], "kvcompile": ours["kvcompile"]}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.json({"meta": meta, "rows": rows})
     lines = [f"kvcompile vs kvpress {raw['kvpress']} on {data['model']}, {data['tasks']} @ {data['length']} tokens, "
              f"{data['n_samples']} samples per task, query-agnostic. Bytes: K/V held per prompt after compressing the "
              "context (kvpress: cache tensors + masks). Seconds: per prompt, prefill + compress + answer "
@@ -534,14 +536,15 @@ def _merge(args) -> None:
         mib = lambda v: None if v is None else v / 2**20  # noqa: E731
         note = "; ".join(e for e in (r.get("kvcompile_error"), r.get("kvpress_error")) if e).replace("|", "/")
         lines.append(
-            f"| {r['method']} | {r['budget']:g} | {_fmt(r.get('kvcompile_score'), '.2f')} | {_fmt(r.get('kvpress_score'), '.2f')}"
-            f" | {_fmt(r.get('kvcompile_kl'), '.3f')} | {_fmt(r.get('kvpress_kl'), '.3f')} | {_fmt(r.get('kvcompile_top1'), '.2f')}"
+            f"| {r['method']} | {r['budget']:g} | {_fmt(r.get('kvcompile_score'), '.2f')}"
+            f" | {_fmt(r.get('kvpress_score'), '.2f')} | {_fmt(r.get('kvcompile_kl'), '.3f')}"
+            f" | {_fmt(r.get('kvpress_kl'), '.3f')} | {_fmt(r.get('kvcompile_top1'), '.2f')}"
             f" | {_fmt(r.get('kvpress_top1'), '.2f')} | {_fmt(mib(r.get('kvcompile_bytes_held')), '.2f')}"
             f" | {_fmt(mib(r.get('kvpress_bytes_held')), '.2f')} | {_fmt(r.get('kvcompile_s_per_prompt'), '.1f')}"
             f" | {_fmt(r.get('kvpress_s_per_prompt'), '.1f')} | {note} |")
     lines += ["", *_pivot(rows, args.budgets)]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    _plot([r for r in rows if r["method"] != "full"], out.with_suffix(".png"))
+    out.markdown("\n".join(lines))
+    out.figure(_plot([r for r in rows if r["method"] != "full"]))
     print("\n".join(lines))
 
 
@@ -554,15 +557,15 @@ def _pivot(rows: list[dict], budgets: list[float]) -> list[str]:
              f"| method | {head} | MiB at {mid:g} |", "|---|" + "---|" * (len(budgets) + 1)]
     for method in dict.fromkeys(r["method"] for r in rows if r["method"] != "full"):
         cells = {r["budget"]: r for r in rows if r["method"] == method}
-        kl = [_fmt(cells.get(b, {}).get("kvcompile_kl"), ".3f") + " / " + _fmt(cells.get(b, {}).get("kvpress_kl"), ".3f")
-              for b in budgets]
+        kl = [_fmt(cells.get(b, {}).get("kvcompile_kl"), ".3f") + " / "
+              + _fmt(cells.get(b, {}).get("kvpress_kl"), ".3f") for b in budgets]
         held = [cells.get(mid, {}).get(f"{side}_bytes_held") for side in ("kvcompile", "kvpress")]
         held = [_fmt(None if b is None else b / 2**20, ".2f") for b in held]
         lines.append(f"| {method} | {' | '.join(kl)} | {' / '.join(held)} |")
     return lines
 
 
-def _plot(rows: list[dict], path: Path) -> None:
+def _plot(rows: list[dict]):
     """Two panels, a point per (press, budget) both sides ran: next-token KL of kvcompile against kvpress's (on the
     diagonal they agree), and the bytes each holds (kvpress's masked presses sit far right of the budget)."""
     import matplotlib
@@ -592,7 +595,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     axes[0].set_title("Same prompts, same budget: where the two libraries agree")
     axes[1].set_title("Bytes really held (kvpress's masks counted)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def _save(args) -> None:
@@ -602,13 +605,13 @@ def _save(args) -> None:
 
     from kvcompile.eval.store import Store
 
-    args.keep.mkdir(parents=True, exist_ok=True)
-    (args.keep / "qfilters.json").write_text((args.dir / "qfilters.json").read_text())  # what QFilter cells read
+    keep = Results("compare_kvpress", args.keep)  # the folder's record: <keep>.record.json beside it
+    keep.path("/qfilters.json").write_text((args.dir / "qfilters.json").read_text())  # what QFilter cells read
     with Store(args.dir / "kvcompile.sqlite") as store:
         rows = store.rows()
     raw = (args.dir / "kvpress_raw.json").read_text()
     for name, text in (("kvpress_raw.json.gz", raw), ("kvcompile_rows.json.gz", json.dumps(rows))):
-        with gzip.open(args.keep / name, "wt") as f:
+        with gzip.open(keep.path("/" + name), "wt") as f:
             f.write(text)
     print(f"kept {len(json.loads(raw)['cells'])} kvpress cells and {len(rows)} kvcompile rows in {args.keep}")
 
@@ -618,10 +621,10 @@ def _restore(args) -> None:
     A row of a recipe at its current version is stored under its current fingerprint: a fingerprint re-recorded at
     the same version is a refactor with identical results (``kvcompile.recipes.fingerprint``), so the sweep need
     not run the cell again."""
+    import gzip
+
     import kvcompile
     from kvcompile.eval.store import KEY, VALUES, Store
-
-    import gzip
 
     (args.dir / "qfilters.json").write_text((args.keep / "qfilters.json").read_text())  # not a recalibration
     with gzip.open(args.keep / "kvpress_raw.json.gz", "rt") as f:
@@ -650,7 +653,7 @@ def _restore(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("step", choices=["prompts", "kvpress", "kvcompile", "merge", "save", "restore"])
-    parser.add_argument("--keep", type=Path, default=Path("bench/results/kvpress_grid"),
+    parser.add_argument("--keep", type=Path, default=default_stem("compare_kvpress", "kvpress_grid"),
                         help="save / restore: where an unfinished grid is kept between machines")
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="where the steps exchange files")
     parser.add_argument("--model", default="smollm2-135m")
@@ -662,7 +665,7 @@ def main() -> None:
     parser.add_argument("--redo", action="store_true", help="kvpress step: run again the cells already in its raw "
                         "file (by default a run resumes: it skips every cell that ran to the end)")
     parser.add_argument("--presses", default="", help="comma-separated kvpress names from PAIRS (default: all)")
-    parser.add_argument("--out", default="bench/results/kvpress")
+    parser.add_argument("--out", help="merge: path stem of the table (default bench/results/compare_kvpress/kvpress)")
     parser.add_argument("--under-load", action="store_true", help="say in the table that its seconds are not a speed "
                                                                    "comparison (a run sharing the machine)")
     args = parser.parse_args()

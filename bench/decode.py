@@ -9,7 +9,8 @@ the budgets below 1.0. Modes: eager; compiled with ``--compiled``; and with ``--
 attention is flex_attention compiled by Inductor (``KVCOMPILE_DECODE_BACKEND=flex``). Prefill is measured once
 for kvcompile (compression runs after it); each budget then restores the prefilled cache and compresses (timed).
 Then every variant decodes ``--steps`` tokens in turn, for ``--rounds`` rounds; a variant's ms/token is its median
-round, including its share of reserving pages. Writes JSON (every round) and a PNG under bench/results/.
+round, including its share of reserving pages. Writes JSON (every round), Markdown and a PNG under
+``bench/results/decode/`` (``--out``), with their record (``record.py``).
 
     python bench/decode.py --contexts 1024,2048,4096 --batches 1,4 --steps 8 --rounds 3
 """
@@ -22,18 +23,15 @@ import ctypes
 import gc
 import json
 import os
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
-from kvcompile.steps import RESERVE_AHEAD
 from kvcompile.programs import Programs
-
-RESULTS = Path(__file__).parent / "results"
+from kvcompile.steps import RESERVE_AHEAD
 
 
 def timed(fn):
@@ -192,7 +190,8 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path):
+def plot(rows):
+    """Decode ms/token against context, one panel per batch, a line per variant (a figure to save)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -208,7 +207,7 @@ def plot(rows, path):
         ax.set(title=f"batch {batch}", xlabel="context tokens", ylabel="decode ms/token", xscale="log")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 def main():
@@ -225,17 +224,15 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="rounds; the table reports each variant's median round")
     p.add_argument("--compiled", action="store_true", help="also time the compiled decode (slow to compile on CPU)")
     p.add_argument("--flex", action="store_true", help="also time eager programs over the flex_attention backend")
-    p.add_argument("--out", default=str(RESULTS / "decode"))
+    p.add_argument("--out", help="path stem of what is written (default bench/results/decode/decode)")
     args = p.parse_args()
+    out = Results("decode", args.out)
     torch.manual_seed(0)
     rows = run(args)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "args": {k: v for k, v in vars(args).items()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    Path(args.out + ".md").write_text(f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} "
-                                      f"threads\n\n" + table(rows) + "\n")
-    plot(rows, args.out + ".png")
+    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "args": vars(args)}
+    out.json({"meta": meta, "rows": rows})
+    out.markdown(f"{args.model}, torch {torch.__version__}, {torch.get_num_threads()} threads\n\n" + table(rows))
+    out.figure(plot(rows))
     print(table(rows))
 
 

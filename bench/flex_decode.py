@@ -6,7 +6,7 @@ on packed or shuffled pages. Checks each against the reference, then times them 
 
     python bench/flex_decode.py --batch 4 --tokens 1024 --rounds 5
 
-Writes ``bench/results/flex_decode.{json,md}``.
+Writes ``bench/results/flex_decode/flex_decode.{json,md}``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,14 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 from torch.nn.attention.flex_attention import flex_attention
 
 from kvcompile.kernels import reference
 from kvcompile.kernels.flex import flex_paged_decode
 
-RESULTS = Path(__file__).parent / "results"
 Hkv, G, D, P = 3, 3, 64, 16
 
 
@@ -61,6 +60,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
+    out = Results("flex_decode")
     compiled = torch.compile(flex_attention, dynamic=False)
     rows = []
     for ragged in (False, True):
@@ -97,9 +97,8 @@ def main():
         lines.append(f"| {'ragged' if r['ragged'] else 'uniform'} | {'packed' if r['packed'] else 'shuffled'} | "
                      f"{r['held_tokens']} | {r['reference_ms']:.3f} | {r['flex compiled_ms']:.3f} | "
                      f"{r['flex compiled_ms'] / r['reference_ms']:.2f} | {r['max_abs_error']:.1e} |")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "flex_decode.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    (RESULTS / "flex_decode.md").write_text("\n".join(lines) + "\n")
+    out.json({"args": vars(args), "rows": rows})
+    out.markdown("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -3,45 +3,27 @@ to read its bytes once at this machine's measured memory bandwidth.
 
 A decode step has to read every weight once and every K/V byte it attends over, so
 floor = (weight bytes + KV bytes read) / read bandwidth. Read bandwidth is measured here, before the decode runs,
-as the best of several ``sum`` passes over a tensor far larger than the caches (reported with the copy bandwidth,
-read + write bytes, for reference). KV bytes read: the bytes held (kvcompile) or the full cache (transformers).
+as the best of several ``sum`` passes over a tensor far larger than the caches (``record.bandwidth``, the figure
+every result's record carries; reported with the copy bandwidth, read + write bytes, for reference). KV bytes
+read: the bytes held (kvcompile) or the full cache (transformers).
 
     python bench/floor.py --contexts 4096 --batches 1,4 --budgets 0.25 --compiled
 
-Writes ``bench/results/floor.{json,md,png}`` (``--out``): the run's ratios against transformers (``decode.table``)
-and every variant against its floor; ``--render`` writes them again from a run's JSON.
+Writes ``bench/results/floor/floor.{json,md,png}`` (``--out``): the run's ratios against transformers
+(``decode.table``) and every variant against its floor; ``--render`` writes them again from a run's JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import time
 from pathlib import Path
 
 import torch
 from decode import plot, run, table
+from record import Results, machine
 
 import kvcompile
-
-RESULTS = Path(__file__).parent / "results"
-
-
-def bandwidth(mib: int = 1024, repeats: int = 7) -> dict:
-    """GB/s of this machine: ``read`` (sum over a large fp32 tensor) and ``copy`` (read + write bytes)."""
-    src = torch.rand(mib * 2**20 // 4)
-    dst = torch.empty_like(src)
-    best = {"read": float("inf"), "copy": float("inf")}
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        src.sum()
-        best["read"] = min(best["read"], time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best["copy"] = min(best["copy"], time.perf_counter() - t0)
-    n = src.numel() * 4
-    return {"read": n / best["read"] / 1e9, "copy": 2 * n / best["copy"] / 1e9}
 
 
 def main():
@@ -56,26 +38,27 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compiled", action="store_true")
     p.add_argument("--flex", action="store_true", help="also eager programs over the flex_attention backend")
-    p.add_argument("--out", default=str(RESULTS / "floor"))
+    p.add_argument("--out", help="path stem of what is written (default bench/results/floor/floor)")
     p.add_argument("--render", help="write the tables and plot again from this run's JSON, without running")
     args = p.parse_args()
+    out = Results("floor", args.out)  # measures the bandwidth, once for the process
     if args.render:
         saved = json.loads(Path(args.render).read_text())
         meta, rows = saved["meta"], saved["rows"]
     else:
-        bw = bandwidth()
+        bw = machine()["bandwidth_gbs"]
         print(f"bandwidth: read {bw['read']:.1f} GB/s, copy {bw['copy']:.1f} GB/s", flush=True)
         rows = run(args)
-        meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "bandwidth_gbs": bw, "args": vars(args)}
+        meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "bandwidth_gbs": bw,
+                "args": vars(args)}
     model, _ = kvcompile.load_model(meta["args"]["model"])
     meta["weight_bytes"] = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
     cfg = model.config
     token_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     text = report(rows, meta, token_bytes)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    Path(args.out + ".md").write_text(text + "\n")
-    plot(rows, args.out + ".png")
+    out.json({"meta": meta, "rows": rows})
+    out.markdown(text)
+    out.figure(plot(rows))
     print(text)
 
 

@@ -9,9 +9,10 @@ cache.
 
     python bench/formats.py --samples 20 --length 1024
 
-Writes ``bench/results/formats.{json,md,png}``. ``--speed`` instead times decode over each format at the same
-token count (every token kept: budget 1.0), eager and compiled, in one run on one machine, against the model-dtype
-pages: ``bench/results/formats_speed.{json,md}``.
+Writes ``bench/results/formats/formats.{json,md,png}`` (every mode below into ``bench/results/formats/``, or
+``--out``). ``--speed`` instead times decode over each format at the same token count (every token kept: budget
+1.0), eager and compiled, in one run on one machine, against the model-dtype pages: ``formats_speed.{json,md}``
+(``--kernel``: ``formats_kernel.*``).
 
     python bench/formats.py --speed --batch 4 --context 8000 --steps 4 --rounds 3 --no-compile
     python bench/formats.py --speed --kernel --context 8192 --rounds 15     # one layer's attention op alone
@@ -19,17 +20,17 @@ pages: ``bench/results/formats_speed.{json,md}``.
 
 ``--recent 16,64`` instead runs SnapKV over int4 pages with the newest 0 / 16 / 64 tokens kept in fp32
 (``Recipe.precise_recent``, KIVI's hierarchy with eviction; the window paid for out of the same budget) at
-``--budgets``: ``bench/results/formats_recent.{json,md}``.
+``--budgets``: ``formats_recent.{json,md}``.
 
     python bench/formats.py --recent 16,64 --budgets 0.125,0.1 --samples 10
 
 ``--methods think,snapkv+think`` instead runs those recipes beside the plain references (snapkv, snapkv+int4,
-full+int4, full+int8: quantize-only where every token fits) at ``--budgets``: ``bench/results/formats_methods.*``.
+full+int4, full+int8: quantize-only where every token fits) at ``--budgets``: ``formats_methods.*``.
 
     python bench/formats.py --methods think,snapkv+think,minima-kv --references "" --budgets 0.8,0.4,0.25 --samples 3
 
 ``--ablate-taskpress`` runs ``taskpress+int4`` beside each half of its score (the meta-query's attention alone, the
-value scale alone) at ``--budgets``: ``bench/results/formats_taskpress_ablation.*``.
+value scale alone) at ``--budgets``: ``formats_taskpress_ablation.*``.
 
     python bench/formats.py --ablate-taskpress --budgets 0.1 --samples 20
 """
@@ -38,8 +39,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-from pathlib import Path
+
+from record import Results
 
 import kvcompile
 from kvcompile.budget import Budget
@@ -47,7 +48,6 @@ from kvcompile.eval import sweep
 from kvcompile.kernels.formats import get_format
 from kvcompile.recipes import in_format
 
-RESULTS = Path(__file__).parent / "results"
 EVICT = "snapkv"
 FORMATS = ("int8", "int4", "int3", "int2")
 QUANTIZE_ONLY = ("int4", "int3")  # int8 fits only at 0.5; int2 (per-token keys) fails everywhere: see the docs
@@ -132,7 +132,8 @@ def markdown(rows: list[dict], config: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict]):
+    """Score against bytes held, a line per recipe, styled by family (a figure to save)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,7 +157,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_title("Score against bytes: evict, quantize, both")
     ax.legend(fontsize=7, ncol=2, loc="center right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 SPEED_RECIPES = ("full", "full+fp8", "full+int8", "full+int4", "kivi2")
@@ -164,8 +165,8 @@ SPEED_RECIPES = ("full", "full+fp8", "full+int8", "full+int4", "kivi2")
 
 def speed(model_name: str, batch: int, context: int, steps: int, rounds: int, compiled: bool,
           recipes=SPEED_RECIPES) -> dict:
-    """Decode ms/token of every recipe of ``recipes`` (the first the reference) forked from one shared prefill of ``batch`` random
-    rows of ``context`` tokens: the median over ``rounds`` of ``steps`` decode steps each."""
+    """Decode ms/token of every recipe of ``recipes`` (the first the reference) forked from one shared prefill of
+    ``batch`` random rows of ``context`` tokens: the median over ``rounds`` of ``steps`` decode steps each."""
     import statistics
     import time
 
@@ -231,7 +232,8 @@ def kernel_speed(context: int, rounds: int) -> dict:
     pos = torch.cat([torch.zeros(P), torch.arange(context).repeat(B * Hkv)]).view(-1, P).int()
     table, lengths = (1 + torch.arange(n)).view(B, Hkv, -1).int(), torch.full((B, Hkv), context, dtype=torch.int32)
     q, q_pos = torch.randn(B, Hkv * G, 1, D, generator=g), torch.full((B, 1), context)
-    empty = (torch.zeros(2, P, D),) * 2 + (torch.zeros(2, P, dtype=torch.int32), torch.zeros(B, Hkv, 2, dtype=torch.int32),
+    empty = (torch.zeros(2, P, D),) * 2 + (torch.zeros(2, P, dtype=torch.int32),
+                                          torch.zeros(B, Hkv, 2, dtype=torch.int32),
                                           torch.zeros(B, Hkv, dtype=torch.int32))
     dense = reference.gather_dense(*empty)
     fp32 = (q, q_pos, k, v, pos, table, lengths, 0.125)
@@ -241,8 +243,10 @@ def kernel_speed(context: int, rounds: int) -> dict:
         f = get_format(name)
         stored = reference.FormatPages(*encode_pool(f.key, k), *encode_pool(f.value, v), pos, table, lengths)
         calls[(name, "native, one pass")] = lambda s=stored: reference.stored_decode(q, dense, s, 0.125)
-        calls[(name, "PyTorch, two passes")] = pytorch_only(lambda s=stored: reference.stored_decode(q, dense, s, 0.125))
-        calls[(name, "merged tiles")] = lambda s=stored: reference.merged_attention(q, q_pos, dense, s, 0.125, 0, 1 << 26)
+        calls[(name, "PyTorch, two passes")] = pytorch_only(
+            lambda s=stored: reference.stored_decode(q, dense, s, 0.125))
+        calls[(name, "merged tiles")] = lambda s=stored: reference.merged_attention(
+            q, q_pos, dense, s, 0.125, 0, 1 << 26)
     times = {key: [] for key in calls}
     with torch.no_grad():
         for _ in range(rounds):
@@ -283,7 +287,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--tasks", default="niah_single_1,passkey")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="path stem of what is written (default: the mode's file in "
+                        "bench/results/formats/)")
     parser.add_argument("--speed", action="store_true", help="time decode over each format instead")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=2048)
@@ -298,19 +303,21 @@ def main() -> None:
     parser.add_argument("--methods", default=None, help="recipes beside the references, e.g. think,snapkv+think")
     parser.add_argument("--references", default=",".join(METHOD_REFERENCES), help="with --methods ('' for none)")
     args = parser.parse_args()
+    default = ("formats_kernel" if args.speed and args.kernel else "formats_speed" if args.speed
+               else "formats_recent" if args.recent else "formats_taskpress_ablation" if args.ablate_taskpress
+               else "formats_methods" if args.methods else "formats")
+    out = Results("formats", args.out, name=default)
     if args.speed and args.kernel:
         result = kernel_speed(args.context, args.rounds)
-        out = Path(args.out or RESULTS / "formats_kernel")
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        out.with_suffix(".md").write_text(kernel_markdown(result))
+        out.json(result)
+        out.markdown(kernel_markdown(result))
         print(kernel_markdown(result))
         return
     if args.speed:
         result = speed(args.model, args.batch, args.context, args.steps, args.rounds, not args.no_compile,
                        args.speed_recipes.split(","))
-        out = Path(args.out or RESULTS / "formats_speed")
-        out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        out.with_suffix(".md").write_text(speed_markdown(result))
+        out.json(result)
+        out.markdown(speed_markdown(result))
         print(speed_markdown(result))
         return
     model, tokenizer = kvcompile.load_model(args.model)
@@ -335,14 +342,9 @@ def main() -> None:
     wanted = {(name(r), str(Budget.parse(b))) for r, b in grid} | {("full", "1")}
     rows = [r for r in result["rows"] if (r["recipe"], r["budget"]) in wanted]
     config = {**result["config"], "model": args.model}
-    default = ("formats_recent" if args.recent else "formats_taskpress_ablation" if args.ablate_taskpress
-               else "formats_methods" if args.methods else "formats")
-    out = Path(args.out or RESULTS / default)
-    out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows, "timing": result["timing"]},
-                                                   indent=1))
-    out.with_suffix(".md").write_text(markdown(rows, config))
-    plot([r for r in rows if r["recipe"] != "full"], out.with_suffix(".png"))
-    print(out.with_suffix(".md").read_text())
+    out.json({"config": config, "rows": rows, "timing": result["timing"]})
+    print(out.markdown(markdown(rows, config)).read_text())
+    out.figure(plot([r for r in rows if r["recipe"] != "full"]))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@
    CUDA graph), each against its floor (weight + KV bytes read over the copy bandwidth).
 
 Each section runs on its own (``--sections``): one that fails prints its traceback and the rest still run; every
-result is printed as it comes. ``--out`` also writes them as JSON.
-Run: ``python bench/gpu_check.py --out bench/results/gpu_check``
+result is printed as it comes and written as JSON after each section (``bench/results/gpu_check/gpu_check.json``,
+or ``--out``), its record naming the GPU.
+Run: ``python bench/gpu_check.py``
 """
 
 from __future__ import annotations
@@ -32,15 +33,16 @@ import time
 import traceback
 
 import torch
+from record import Results
 
 import kvcompile
 from kvcompile.cache import PagedKVCache
 from kvcompile.kernels import reference
 from kvcompile.kernels.flex import flex_paged_decode
 from kvcompile.kernels.formats import FORMATS, encode_pool
-from kvcompile.plan import Plan
 from kvcompile.kernels.triton_compact import compact
 from kvcompile.kernels.triton_decode import paged_decode
+from kvcompile.plan import Plan
 
 
 def zipf_lengths(n: int, mean: int, gen: torch.Generator) -> torch.Tensor:
@@ -132,7 +134,8 @@ def check_kernels(device, gen, flex):
                 paged_decode(*a, stored=s), reference.paged_attention(*a, stored=s)), 1e-3)
         keep_count = cache.lengths[0].long().cpu() // 3
         keep_idx = torch.zeros(*keep_count.shape, max(int(keep_count.max()), 1), dtype=torch.long)
-        for (b, h), n in zip(torch.cartesian_prod(torch.arange(2), torch.arange(4)).tolist(), cache.lengths[0].flatten()):
+        heads = torch.cartesian_prod(torch.arange(2), torch.arange(4)).tolist()
+        for (b, h), n in zip(heads, cache.lengths[0].flatten()):
             c = int(keep_count[b, h])
             keep_idx[b, h, :c] = torch.randperm(int(n), generator=gen)[:c].sort().values
         keep_idx, keep_count = keep_idx.to(device), keep_count.to(device)
@@ -340,12 +343,13 @@ SECTIONS = ("kernels", "decode", "model")
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="path stem of the JSON (default bench/results/gpu_check/gpu_check)")
     p.add_argument("--no-flex", action="store_true", help="skip the flex_attention backend (it compiles per shape)")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check needs a CUDA device")
+    out = Results("gpu_check", args.out)
     seed = torch.seed() % 2**31
     device, gen = torch.device("cuda"), torch.Generator().manual_seed(seed)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, seed {seed}", flush=True)
@@ -360,9 +364,7 @@ def main():
             traceback.print_exc()
             result[name], _ = {"error": repr(e)[:2000]}, failed.append(name)
         print(f"[{name}: {time.perf_counter() - t0:.0f} s]", flush=True)
-        if args.out:
-            with open(args.out + ".json", "w") as f:
-                json.dump(result, f, indent=1)
+        out.json(result)
 
     chosen = args.sections.split(",")
     if "kernels" in chosen:

@@ -12,24 +12,21 @@ context, against ``DynamicCache``, in the same run.
     pip install -e ".[bench,quanto]"
     python bench/hf_quantized.py --samples 20 --length 1024
 
-Writes ``bench/results/hf_quantized.{json,md}``.
+Writes ``bench/results/hf_quantized/hf_quantized.{json,md}`` (``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 from transformers import DynamicCache, QuantizedCache
 
 import kvcompile
 from kvcompile.eval.synthetic import get_task, make_sample
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def held_bytes(cache) -> int:
@@ -106,8 +103,9 @@ def main() -> None:
     parser.add_argument("--residual", type=int, default=128, help="newest tokens kept in the model's dtype")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=str(RESULTS / "hf_quantized"))
+    parser.add_argument("--out", help="path stem of what is written (default bench/results/hf_quantized/hf_quantized)")
     args = parser.parse_args()
+    out = Results("hf_quantized", args.out)
     model, tok = kvcompile.load_model(args.model)
     eos = {tok.eos_token_id}
     variants = [None] + [int(b) for b in args.bits.split(",")]
@@ -142,17 +140,16 @@ def main() -> None:
     config = {**{k: v for k, v in vars(args).items() if k != "out"}, "threads": torch.get_num_threads(),
               "transformers": __import__("transformers").__version__,
               "optimum_quanto": __import__("importlib.metadata").metadata.version("optimum-quanto")}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
+    out.json({"config": config, "rows": rows})
     lines = [f"transformers {config['transformers']} QuantizedCache (optimum-quanto {config['optimum_quanto']}, "
              f"groups of 64, newest {args.residual} tokens in fp32) on {args.model}, {args.tasks} @ {args.length} "
              f"tokens, {args.samples} samples per task, {config['threads']} thread(s). Bytes: what the cache holds "
              "after the context, as a share of the fp32 DynamicCache's. ms/token: decode after the same context.",
-             "", "| cache | score | KL | top-1 | bytes share | decode ms/token | vs DynamicCache |", "|---|---|---|---|---|---|---|"]
+             "", "| cache | score | KL | top-1 | bytes share | decode ms/token | vs DynamicCache |",
+             "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['cache']} | {r['score']:.2f} | {r['kl_mean']:.3f} | {r['top1']:.2f} | {r['bytes_share']:.3f} "
               f"| {r['decode_ms']:.1f} | {r['speed_vs_dynamic']:.2f}x |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.markdown("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -23,7 +23,7 @@ shipped, and with ||v||_1 in place of ||W_o v||_1 (everything else kvpress's, it
 CriticalKV also with ||v||_1 and its two stages splitting what SnapKV's window leaves, as kvcompile's do (kvpress's
 first stage counts the window's 32 tokens, which score highest, among its share).
 
-Writes ``bench/results/blockpress_protocol.{json,md}`` or ``bench/results/criticalkv_vnorm.{json,md}``.
+Writes ``bench/results/kvpress_variants/blockpress_protocol.{json,md}`` or ``.../criticalkv_vnorm.{json,md}``.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import json
 from pathlib import Path
 
 import torch
-
-RESULTS = Path(__file__).parent / "results"
+from record import Results
 
 
 class RealBlocks:
@@ -133,14 +132,13 @@ def main():
     p.add_argument("--dir", type=Path, default=Path("/tmp/kvc/kvpress"), help="compare_kvpress.py's --dir")
     p.add_argument("--budget", type=float, default=0.1)
     p.add_argument("--prompts", type=int, default=10, help="the first N per task")
-    p.add_argument("--out", default=None, help="default: bench/results/<the study's file name>")
+    p.add_argument("--out", default=None, help="default: bench/results/kvpress_variants/<the study's file name>")
     args = p.parse_args()
     make_variants, file_name, title = STUDIES[args.study]
-    path = args.out or str(RESULTS / file_name)
+    results = Results("kvpress_variants", args.out, name=file_name)
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-
     import kvpress
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
     data = json.loads((args.dir / "prompts.json").read_text())
     full = torch.load(args.dir / "kvpress_full.pt")["runs"]  # prompt index -> (answer, reference logits, ...)
@@ -170,11 +168,13 @@ def main():
                 out = model(torch.tensor([q["question"]]), past_key_values=cache, position_ids=pos).logits[0]
                 tokens, at = [int(out[-1].argmax())], n + len(q["question"])
                 while tokens[-1] not in eos and len(tokens) < q["max_new_tokens"]:
-                    out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=torch.tensor([[at]]))
+                    out = model(torch.tensor([[tokens[-1]]]), past_key_values=cache,
+                                position_ids=torch.tensor([[at]]))
                     tokens.append(int(out.logits[0, -1].argmax()))
                     at += 1
                 pos = torch.arange(n, n + len(q["reference"]))[None]
-                logits = model(torch.tensor([q["reference"]]), past_key_values=ref_cache, position_ids=pos).logits[0, :-1]
+                logits = model(torch.tensor([q["reference"]]), past_key_values=ref_cache,
+                               position_ids=pos).logits[0, :-1]
             lp_full, lp = torch.log_softmax(full[i][1].float(), -1), torch.log_softmax(logits.float(), -1)
             kls += (lp_full.exp() * (lp_full - lp)).sum(-1).clamp_min(0).tolist()
             pred = tok.decode(tokens, skip_special_tokens=True).lower()
@@ -183,12 +183,12 @@ def main():
                      "scores": scores})
         print(f"{name:<72} KL {rows[-1]['kl_mean']:.3f} score {rows[-1]['score']:.3f}", flush=True)
     meta = {"budget": args.budget, "prompts": len(chosen), "tasks": sorted(per_task), "threads": 1}
-    Path(path + ".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    results.json({**meta, "rows": rows})
     lines = [f"# {title} (budget {args.budget}, {len(chosen)} prompts: the first {args.prompts} of "
              f"{', '.join(sorted(per_task))})", "",
              "| variant | KL mean | score |", "|---|---|---|"]
     lines += [f"| {r['variant']} | {r['kl_mean']:.3f} | {r['score']:.3f} |" for r in rows]
-    Path(path + ".md").write_text("\n".join(lines) + "\n")
+    results.markdown("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ one-feature baselines read from the same features (KNorm's -||k|| and ||v||).
     python bench/kvzap.py --run-dir /tmp/kvzap-run --weights kvcompile/weights/kvzap-smollm2-135m.safetensors \
         [--weights other.safetensors ...]
 
-Writes ``bench/results/kvzap_spearman.{json,md}``.
+Writes ``bench/results/kvzap/kvzap_spearman.{json,md}``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import json
 from pathlib import Path
 
 import torch
+from record import Results
 from safetensors.torch import load_file
 
 from kvcompile.methods.kvzap import Surrogate
 from kvcompile.train.kvzap import spearman, surrogate
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -30,6 +29,7 @@ def main() -> None:
     ap.add_argument("--weights", action="append", required=True, help="trained .safetensors files (repeatable)")
     ap.add_argument("--seed", type=int, default=0, help="the runs' seed (the random initialisation)")
     args = ap.parse_args()
+    results = Results("kvzap", name="kvzap_spearman")
     data = load_file(str(Path(args.run_dir) / "data.safetensors"))
     x, y, hx, hy = data["x"], data["y"], data["held_x"], data["held_y"]
     rows = []
@@ -47,11 +47,11 @@ def main() -> None:
         rows.append({"scorer": "‖v‖", "spearman": spearman(hx[..., -1], hy), "steps": 0, "tokens_seen": 0})
     L, H, N, _ = hx.shape
     out = {"held_out_tokens": N, "layers": L, "kv_heads": H, "rows": rows}
-    (RESULTS / "kvzap_spearman.json").write_text(json.dumps(out, indent=1) + "\n")
+    results.json(out)
     lines = [f"Spearman with KVzip's scores on {N} held-out tokens (mean over {L} layers x {H} KV heads).", "",
              "| scorer | Spearman | steps | tokens seen |", "|---|---|---|---|"]
     lines += [f"| {r['scorer']} | {r['spearman']:.3f} | {r['steps']} | {r['tokens_seen']} |" for r in rows]
-    (RESULTS / "kvzap_spearman.md").write_text("\n".join(lines) + "\n")
+    results.markdown("\n".join(lines))
     print("\n".join(lines))
 
 

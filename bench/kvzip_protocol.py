@@ -23,7 +23,8 @@ for whole pages too) on the same prompts the same way: as it is (the competition
 engine's old rounding of token counts down to pages (``whole_pages=False``), and with pages of one token (where
 both agree with a token-level selection).
 
-Writes ``bench/results/kvzip_protocol.{json,md}`` (``kvzip_protocol_kvcompile[_<recipe>].*`` with ``--kvcompile``).
+Writes ``bench/results/kvzip_protocol/kvzip_protocol.{json,md}`` (``kvzip_protocol_kvcompile[_<recipe>].*`` with
+``--kvcompile``; ``--out`` for another stem).
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-
-RESULTS = Path(__file__).parent / "results"
+from record import Results
 
 
 def variants():
@@ -140,7 +140,8 @@ def main():
     p.add_argument("--prompts", type=int, default=2, help="the first N per task")
     p.add_argument("--kvcompile", action="store_true", help="kvcompile's side (run in kvcompile's environment)")
     p.add_argument("--recipe", default="kvzip", help="--kvcompile: the recipe (kvzip, kvgrad, kvcompose)")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="path stem of what is written (default: its file in "
+                   "bench/results/kvzip_protocol/)")
     args = p.parse_args()
     torch.set_num_threads(1)
     data = json.loads((args.dir / "prompts.json").read_text())
@@ -150,18 +151,20 @@ def main():
         if per_task[q["task"]] <= args.prompts:
             prompts.append(q)
     suffix = "" if args.recipe == "kvzip" else f"_{args.recipe}"
-    out = args.out or str(RESULTS / (f"kvzip_protocol_kvcompile{suffix}" if args.kvcompile else "kvzip_protocol"))
+    results = Results("kvzip_protocol", args.out,
+                      name=f"kvzip_protocol_kvcompile{suffix}" if args.kvcompile else "kvzip_protocol")
     rows = (kvcompile_rows(prompts, args.budget, args.recipe) if args.kvcompile
             else kvpress_rows(args.dir, prompts, args.budget))
     meta = {"budget": args.budget, "prompts": len(prompts), "tasks": sorted(per_task), "threads": 1}
-    Path(out + ".json").write_text(json.dumps({**meta, "rows": rows}, indent=1))
+    results.json({**meta, "rows": rows})
     side = f"kvcompile's {args.recipe}" if args.kvcompile else "kvpress KVzip, one protocol choice at a time"
     lines = [f"# {side} (budget {args.budget}, {len(prompts)} prompts: the first {args.prompts} of "
-             f"{', '.join(sorted(per_task))})", "", "| variant | KL mean |" + (" score |" if not args.kvcompile else ""),
+             f"{', '.join(sorted(per_task))})", "",
+             "| variant | KL mean |" + (" score |" if not args.kvcompile else ""),
              "|---|---|" + ("---|" if not args.kvcompile else "")]
     lines += [f"| {r['variant']} | {r['kl_mean']:.3f} |" + (f" {r['score']:.3f} |" if "score" in r else "")
               for r in rows]
-    Path(out + ".md").write_text("\n".join(lines) + "\n")
+    results.markdown("\n".join(lines))
 
 
 def kvpress_rows(folder, prompts, budget):

@@ -18,11 +18,12 @@ its decode schedule evicting as it goes. We measure:
   ran it, beyond the median step). On a shared CPU the tokens/s are noisy; the share less so.
 
 Writes JSON, a markdown table and a PNG (bytes held against generated tokens, one panel per cap) under
-bench/results/, updating them after every run so a partial run keeps what it measured.
+bench/results/long_generation/ (``--out``), updating them after every run so a partial run keeps what it measured.
 
     python bench/long_generation.py --tokens 2000 --caps 256,512,1024 --temperature 0.8
     python bench/long_generation.py --temperature 0.8 --policies random-attention --schedule '{"every": 16}' \
-        --reference bench/results/long_generation.json --out bench/results/long_generation_random16
+        --reference bench/results/long_generation/long_generation.json \
+        --out bench/results/long_generation/long_generation_random16
 """
 
 from __future__ import annotations
@@ -30,16 +31,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
+from record import Results
 from tqdm import tqdm
 
 import kvcompile
 
-RESULTS = Path(__file__).parent / "results"
 POLICIES = ["random-attention", "inertiakv", "h2o-decode", "snapkv-decode", "inertiakv-lazy", "score-free", "growpage"]
 PROMPT = "Write a long, detailed story about a lighthouse keeper who finds a map hidden inside an old clock."
 
@@ -156,7 +156,8 @@ def row(r) -> str:
             f"{r['final_bytes_held'] / 2**20:.1f} |")
 
 
-def plot(result, path):
+def plot(result):
+    """Bytes held against generated tokens, one panel per cap, the full cache's beside each policy's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -173,15 +174,14 @@ def plot(result, path):
         ax.set(title=f"cap {cap} tokens per KV head", xlabel="generated tokens", ylabel="KV MiB held (after each run)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
-def save(result, out: str) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out + ".json").write_text(json.dumps(result))
+def save(result, out: Results) -> None:
+    out.json(result, indent=None)
     if result["runs"]:
-        Path(out + ".md").write_text(table(result) + "\n")
-        plot(result, out + ".png")
+        out.markdown(table(result))
+        out.figure(plot(result))
 
 
 def main():
@@ -196,8 +196,9 @@ def main():
     p.add_argument("--reference", help="reuse the reference of an earlier result JSON (same model, prompt, sampling)")
     p.add_argument("--timed", type=int, default=32, help="greedy decode steps timed at the cap, per run")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1 is steadiest on a shared machine)")
-    p.add_argument("--out", default=str(RESULTS / "long_generation"))
+    p.add_argument("--out", help="path stem of what is written (default bench/results/long_generation/long_generation)")
     args = p.parse_args()
+    out = Results("long_generation", args.out)
     torch.set_num_threads(args.threads)
     model, tokenizer = kvcompile.load_model(args.model)
     base = kvcompile.apply(model, budget=1.0, recipe="full")
@@ -214,8 +215,8 @@ def main():
     words = text.split()
     grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
     result = {
-        "meta": {"machine": platform.processor() or platform.machine(), "threads": args.threads,
-                 "torch": torch.__version__, "args": vars(args), "prompt": PROMPT, "prompt_tokens": ids.shape[1],
+        "meta": {"threads": args.threads, "torch": torch.__version__, "args": vars(args), "prompt": PROMPT,
+                 "prompt_tokens": ids.shape[1],
                  "temperature": args.temperature,
                  "decoding": ("greedy" if args.temperature == 0 else f"sampled (temperature {args.temperature}, "
                               f"seed {args.seed})") + " full-cache reference; policies teacher-forced (decode_many)",
@@ -225,7 +226,7 @@ def main():
                       "distinct_4grams": len(set(grams)) / max(len(grams), 1), "text_head": text[:600]},
         "runs": [],
     }
-    save(result, args.out)
+    save(result, out)
     for name in args.policies:  # every cap of a policy first: a cut-short run still compares whole policies
         recipe = kvcompile.recipes()[name]
         recipe = dataclasses.replace(recipe, decode={**recipe.decode, **args.schedule})
@@ -234,7 +235,7 @@ def main():
             with torch.no_grad():
                 run = teacher_forced(base, ids, recipe, cap, (tokens, logps, top), args.temperature, u, args.timed)
             result["runs"].append(summarize(label, cap, ids.shape[1], *run))
-            save(result, args.out)
+            save(result, out)
             print(row(result["runs"][-1]), flush=True)
     print(table(result))
 

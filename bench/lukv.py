@@ -6,7 +6,7 @@ next-token KL against the full cache, query-agnostic.
 
     python bench/lukv.py --samples 8 --length 1024 --budgets 0.25,0.1
 
-Writes ``bench/results/lukv.{csv,json,md,png}``; the curve is saved in the JSON (``curve``).
+Writes ``bench/results/lukv/lukv.{csv,json,md,png}``; the curve is saved in the JSON (``curve``).
 """
 
 from __future__ import annotations
@@ -14,17 +14,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
 from kvcompile.calibration.lukv import calibrate
 from kvcompile.eval import sweep
 from kvcompile.eval.fidelity import prose_windows
 from kvcompile.recipes import get_recipe
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -37,6 +35,7 @@ def main() -> None:
     ap.add_argument("--future", type=int, default=128, help="tokens after each window's context whose attention "
                                                             "is a head's utility")
     args = ap.parse_args()
+    results = Results("lukv")
     model, tok = kvcompile.load_model("smollm2-135m")
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     lukv = get_recipe("lukv")
@@ -54,7 +53,7 @@ def main() -> None:
     result = sweep.run(cm, tok, [uniform, adakv, calibrated], budgets, args.tasks.split(","),
                        n_samples=args.samples, length=args.length, kl=True, model="smollm2-135m")
     result["curve"] = curve
-    for path in sweep.write(result, RESULTS / "lukv", model="smollm2-135m"):
+    for path in results.adopt(sweep.write(result, results.stem, model="smollm2-135m")):
         print(path)
 
 

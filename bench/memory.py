@@ -1,11 +1,11 @@
 """What the cache allocates, against its budget: after prefill compression (every recipe) and over long decode-time
 capped generation (every decode-time recipe), on SmolLM2-135M, batch 1.
 
-    python bench/memory.py prefill --out bench/results/memory_prefill     # every recipe at 0.25, 2,000 tokens
-    python bench/memory.py decode --out bench/results/memory_decode       # 300-token prompt, 1,000 decode steps
+    python bench/memory.py prefill     # every recipe at 0.25, 2,000 tokens: bench/results/memory/memory_prefill.*
+    python bench/memory.py decode      # 300-token prompt, 1,000 decode steps: bench/results/memory/memory_decode.*
 
-``--before`` adds the same measurement of an earlier commit (``bench/results/memory_before_*.json``: commit 4aac37c,
-before the cache owned its state, measured by walking the cache object's tensors) as columns of the table.
+``--before`` adds the same measurement of an earlier commit (``bench/results/memory/memory_before_*.json``: commit
+4aac37c, before the cache owned its state, measured by walking the cache object's tensors) as columns of the table.
 Memory, not time: one thread, any load on the machine is fine.
 """
 
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
 
@@ -39,7 +40,7 @@ def context(tok, n: int) -> torch.Tensor:
 def prefill(base, tok, args) -> list[dict]:
     ids = context(tok, args.context)
     rows = []
-    for name, recipe in kvcompile.recipes().items():
+    for recipe in kvcompile.recipes().values():
         row = {"recipe": recipe.tag}
         try:
             cm = kvcompile.apply(base, budget=args.budget, recipe=recipe)
@@ -61,7 +62,7 @@ def prefill(base, tok, args) -> list[dict]:
 def decode(base, tok, args) -> list[dict]:
     ids = context(tok, 300)
     rows = []
-    for name, recipe in kvcompile.recipes().items():
+    for recipe in kvcompile.recipes().values():
         if recipe.decode is None:
             continue
         for budget in (256, 0.25):
@@ -90,19 +91,20 @@ def decode(base, tok, args) -> list[dict]:
 def prefill_table(rows, before) -> str:
     old = {r["recipe"].split("@")[0]: r for r in before or []}
     head = ["recipe", "budget B", "held B", "allocated B", "ring B", "allocated / budget",
-            "(allocated - tables - ring) / budget"] + (["before: allocated B", "before: ring B", "before: allocated / budget"]
-                                                        if before else [])
+            "(allocated - tables - ring) / budget"]
+    head += ["before: allocated B", "before: ring B", "before: allocated / budget"] if before else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['recipe']} | {r['error']} |")
             continue
         cells = [r["recipe"], f"{r['budget_bytes']:,}", f"{r['bytes_held']:,}", f"{r['bytes_allocated']:,}",
-                 f"{r['bytes']['ring']:,}", f"{r['alloc_over_budget']:.3f}", f"{r['alloc_less_tables_ring_over_budget']:.3f}"]
+                 f"{r['bytes']['ring']:,}", f"{r['alloc_over_budget']:.3f}",
+                 f"{r['alloc_less_tables_ring_over_budget']:.3f}"]
         if before:
             b = old.get(r["recipe"].split("@")[0], {})
-            cells += [f"{b['allocated']:,}", f"{b['obs_ring_bytes']:,}", f"{b['alloc_over_budget']:.3f}"] if "allocated" in b \
-                else ["-"] * 3
+            cells += ([f"{b['allocated']:,}", f"{b['obs_ring_bytes']:,}", f"{b['alloc_over_budget']:.3f}"]
+                      if "allocated" in b else ["-"] * 3)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -132,16 +134,19 @@ def main():
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--before", default=None, help="JSON of the same part measured on an earlier commit")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="path stem of what is written (default bench/results/memory/memory_<part>)")
     args = p.parse_args()
+    out = Results("memory", args.out, name=f"memory_{args.part}")
     torch.set_num_threads(1)
     model, tok = kvcompile.load_model("smollm2-135m")
     base = kvcompile.apply(model, budget=1.0, recipe="full")
     rows = (prefill if args.part == "prefill" else decode)(base, tok, args)
-    before = json.loads(Path(args.before).read_text())["rows" if args.part == "prefill" else "runs"] if args.before else None
+    before = None
+    if args.before:
+        before = json.loads(Path(args.before).read_text())["rows" if args.part == "prefill" else "runs"]
     table = (prefill_table if args.part == "prefill" else decode_table)(rows, before)
-    Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "rows": rows}, indent=1))
-    Path(args.out + ".md").write_text(table + "\n")
+    out.json({"args": vars(args), "torch": torch.__version__, "rows": rows})
+    out.markdown(table)
     print(table)
 
 

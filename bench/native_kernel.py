@@ -6,6 +6,8 @@ One layer of SmolLM2's decode shape: batch 4, 3 KV heads of 64 with 3 query rows
 pages of 16, packed (each head's pages consecutive) or with ``--shuffle`` (pages anywhere in the pool).
 
     python bench/native_kernel.py --tokens 8192 [--shuffle] [--against /tmp/old.so]
+
+Prints the table and writes it (``bench/results/native_kernel/native_kernel.{md,json}``, or ``--out``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import time
 
 import torch
+from record import Results
 
 from kvcompile.kernels import cpu_native
 from kvcompile.kernels.formats import FORMATS, encode_pool
@@ -38,7 +41,9 @@ def main():
     p.add_argument("--against", help="another build of the library, timed in turn with this one")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--out", help="path stem of what is written (default bench/results/native_kernel/native_kernel)")
     args = p.parse_args()
+    results = Results("native_kernel", args.out)
     g = torch.Generator().manual_seed(0)
     n_pages = B * HKV * args.tokens // P
     order = 1 + (torch.randperm(n_pages, generator=g) if args.shuffle else torch.arange(n_pages))
@@ -51,10 +56,12 @@ def main():
         builds["against"] = ctypes.CDLL(args.against)
         builds["against"].pool_attend.restype = None
     library, rows = cpu_native.library, B * HKV * args.tokens
-    print(f"{args.tokens} tokens a head, {'shuffled' if args.shuffle else 'packed'} pages, "
-          f"{torch.get_num_threads()} threads, median of {args.rounds} rounds of {args.calls} calls: ns per row\n")
-    print("| format | " + " | ".join(builds) + (" | this / against | max difference |" if args.against else " |"))
-    print("|---|" + "---|" * (len(builds) + 2 * bool(args.against)))
+    lines = [f"{args.tokens} tokens a head, {'shuffled' if args.shuffle else 'packed'} pages, "
+             f"{torch.get_num_threads()} threads, median of {args.rounds} rounds of {args.calls} calls: ns per row", "",
+             "| format | " + " | ".join(builds) + (" | this / against | max difference |" if args.against else " |"),
+             "|---|" + "---|" * (len(builds) + 2 * bool(args.against))]
+    print("\n".join(lines), flush=True)
+    measured = []
     try:
         for name in args.formats.split(","):
             keys, values = pools(name, k, v)
@@ -68,12 +75,17 @@ def main():
                     times[b].append((time.perf_counter() - t0) / args.calls / rows * 1e9)
             ns = {b: statistics.median(t) for b, t in times.items()}
             cells = [f"{ns[b]:.1f}" for b in builds]
+            measured.append({"format": name, "ns_per_row": ns})
             if args.against:
                 differ = float((outs["this"] - outs["against"]).abs().max())
                 cells += [f"{ns['this'] / ns['against']:.2f}", f"{differ:.1e}"]
-            print(f"| {name} | " + " | ".join(cells) + " |")
+                measured[-1]["max_difference"] = differ
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
     finally:
         cpu_native.library = library
+    results.json({"args": vars(args), "threads": torch.get_num_threads(), "rows": measured})
+    results.markdown("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ loaded, kvcompile's programs applied, nothing run yet), whose resident high-wate
 prefill and read right after it (Linux ``/proc/self/clear_refs``); the peak above the resident memory before is the
 prefill's (activations, the cache it fills, temporaries). Writes ``--out`` + ``_memory.{json,md}``.
 
+Results go to ``bench/results/prefill/`` (``prefill.*``, ``prefill_memory.*``) unless ``--out`` says otherwise.
+
     python bench/prefill.py --memory --contexts 1024,4096 --batches 1,4
 """
 
@@ -22,7 +24,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,10 +31,9 @@ import time
 from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def prefills(model, cm, ids):
@@ -144,20 +144,21 @@ def main():
     p.add_argument("--profile", action="store_true", help="also profile one prefill of each at the first cell")
     p.add_argument("--memory", action="store_true", help="measure each prefill's peak memory instead of its time")
     p.add_argument("--one-peak", choices=["hf", "kv"], help=argparse.SUPPRESS)  # one measurement (``peaks``)
-    p.add_argument("--out", default=str(RESULTS / "prefill"))
+    p.add_argument("--out", help="path stem of what is written (default bench/results/prefill/prefill)")
     args = p.parse_args()
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "args": vars(args)}
-    if args.one_peak:
+    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "args": vars(args)}
+    if args.one_peak:  # a child of --memory: one measurement, printed for the parent, which writes the results
         print(one_peak(args.model, args.one_peak, args.contexts[0], args.batches[0]))
         return
     if args.memory:
+        out = Results("prefill", args.out and args.out + "_memory", name="prefill_memory")
         rows = peaks(args)
-        Path(args.out + "_memory.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        out.json({"meta": meta, "rows": rows})
         text = table(rows, "peak_mib", "prefill peak MiB")
-        Path(args.out + "_memory.md").write_text(f"torch threads: {meta['threads']}\n\n" + text + "\n")
+        out.markdown(f"torch threads: {meta['threads']}\n\n" + text)
         print(text)
         return
+    out = Results("prefill", args.out)
     model, _ = kvcompile.load_model(args.model)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     rows = []
@@ -174,9 +175,8 @@ def main():
         ops = profile(prefills(model, cm, ids))
         text += (f"\n\nOperators by self time, one prefill of {args.contexts[0]} tokens x batch {args.batches[0]}:\n\n"
                  + profile_table(ops))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps({"meta": meta, "rows": rows, "profile": ops}, indent=1))
-    Path(args.out + ".md").write_text(f"torch threads: {meta['threads']}\n\n" + text + "\n")
+    out.json({"meta": meta, "rows": rows, "profile": ops})
+    out.markdown(f"torch threads: {meta['threads']}\n\n" + text)
     print(text)
 
 

@@ -8,25 +8,22 @@ both, and prints the pages each path reads per layer (held, as classes read them
 
     python bench/ragged.py --contexts 4096 --batches 1,4 --budget 0.25
 
-Writes ``bench/results/ragged.{json,md}``.
+Writes ``bench/results/ragged/ragged.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-from pathlib import Path
 
 import torch
 from decode import interleaved, kv_steps
+from record import Results
 
 import kvcompile
 from kvcompile.kernels import ragged
 from kvcompile.steps import RESERVE_AHEAD
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def pages_read(cm) -> dict:
@@ -49,6 +46,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
+    out = Results("ragged")
     model, _ = kvcompile.load_model("smollm2-135m")
     base = kvcompile.apply(model, budget=1.0, recipe="snapkv")
     room = max(RESERVE_AHEAD, args.rounds * args.steps * 2 + 1)
@@ -70,10 +68,8 @@ def main():
                 row[f"{name}_decode_ms"] = statistics.median([(t + reserve[name]) * 1e3 for t in times])
             rows.append(row)
             print(json.dumps(row), flush=True)
-    meta = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "args": vars(args)}
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "ragged.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    meta = {"threads": torch.get_num_threads(), "torch": torch.__version__, "args": vars(args)}
+    out.json({"meta": meta, "rows": rows})
     head = ["context", "batch", "budget", "uniform ms", "adakv ms", "adakv / uniform", "uniform ms (PyTorch)",
             "adakv ms (PyTorch, classes)", "adakv / uniform (PyTorch)", "head-pages held (adakv)", "read by classes",
             "read by one gather"]
@@ -88,7 +84,7 @@ def main():
                  f"{ms['adakv_reference']:.1f}", f"{ms['adakv_reference'] / ms['uniform_reference']:.2f}",
                  pg["held"], pg["classes"], pg["one_gather"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-    (RESULTS / "ragged.md").write_text("\n".join(lines) + "\n")
+    out.markdown("\n".join(lines))
     print("\n".join(lines))
 
 

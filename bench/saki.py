@@ -1,9 +1,10 @@
-"""SAKI against key PCA at equal rank (METHODS.md §20): top-k recall of a rank-r key index on a real model.
+"""SAKI against key PCA at equal rank (docs/guide.md, page formats): top-k recall of a rank-r key index on a real
+model.
 
 The paper's protocol, on the model here: pre-RoPE query and key moments per (layer, KV head) from the model's own
 prefill of some prose (``--calib`` windows), then, on other prose (``--eval`` windows), the last 512 queries of
 each head score every key they may see exactly and through each index; recall = the share of the exact top-64 that
-the index's top-64 recovers. Writes ``bench/results/saki.{json,md,png}``.
+the index's top-64 recovers. Writes ``bench/results/saki/saki.{json,md,png}``.
 
     python bench/saki.py --model smollm2-135m
 """
@@ -11,10 +12,9 @@ the index's top-64 recovers. Writes ``bench/results/saki.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
+from record import Results
 
 import kvcompile
 from kvcompile.calibration import saki as calibration
@@ -30,8 +30,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="8,16,32")
     parser.add_argument("--k", type=int, default=64)
     parser.add_argument("--queries", type=int, default=512)
-    parser.add_argument("--out", default="bench/results/saki")
+    parser.add_argument("--out", help="path stem of what is written (default bench/results/saki/saki)")
     args = parser.parse_args()
+    out = Results("saki", args.out)
     ranks = [int(r) for r in args.ranks.split(",")]
 
     t0 = time.perf_counter()
@@ -51,9 +52,7 @@ def main() -> None:
                         "pca_error_removed": (saki - pca) / max(1 - pca, 1e-9)})
     meta = {"model": args.model, "length": args.length, "calib_windows": args.calib, "eval_windows": args.eval,
             "k": args.k, "queries": args.queries, "head_dim": cm.spec.head_dim, "seconds": time.perf_counter() - t0}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary, "rows": rows}, indent=1))
+    out.json({"meta": meta, "summary": summary, "rows": rows})
     lines = [f"SAKI vs key PCA on {args.model} (head_dim {cm.spec.head_dim}): top-{args.k} recall of the last "
              f"{args.queries} queries, {args.eval} x {args.length}-token prose windows, moments from {args.calib} "
              "other windows (pre-RoPE, per KV head; a GQA group's queries pooled).", "",
@@ -61,12 +60,12 @@ def main() -> None:
              "|---|---|---|---|---|"]
     lines += [f"| {s['rank']} | {s['saki']:.3f} | {s['pca']:.3f} | {s['heads_improved']:.0%} | "
               f"{s['pca_error_removed']:.0%} |" for s in summary]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.markdown("\n".join(lines))
     print("\n".join(lines))
-    _plot(rows, ranks, out.with_suffix(".png"), cm.spec.num_layers)
+    out.figure(_plot(rows, ranks, cm.spec.num_layers))
 
 
-def _plot(rows, ranks, path: Path, n_layers: int) -> None:
+def _plot(rows, ranks, n_layers: int):
     """Mean recall per layer, one line per (method, rank): where in depth the two indexes differ."""
     import matplotlib
 
@@ -84,7 +83,7 @@ def _plot(rows, ranks, path: Path, n_layers: int) -> None:
     ax.set_ylabel("top-k recall")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
 
 
 if __name__ == "__main__":

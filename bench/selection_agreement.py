@@ -12,7 +12,7 @@ step records which context positions every (layer, KV head) kept (the rows of th
 of a prefill without the press, or the masks a masked press leaves) in ``D/kept_kvpress.pt``; the kvcompile step
 runs the pair's recipe on the same token ids (``--page-size``: its pages, 16 by default), reads
 ``CompressedModel.held_positions()``, and answers with both sets through the masked reference. Writes
-``bench/results/selection_agreement.{json,md}`` (``--out`` to change).
+``bench/results/selection_agreement/selection_agreement.{json,md}`` (``--out`` to change).
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ import json
 import sys
 from pathlib import Path
 
+import compare_kvpress as grid
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import compare_kvpress as grid  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+from record import Results
 
 
 def cases(text: str) -> list[tuple[str, float, int]]:
@@ -119,7 +116,7 @@ def kvcompile_step(args) -> None:
             with masked.masking(source):
                 read[side] = score(answer(reader, tok, reader.prefill(ids_tensor(prompt["question"], cm.device))[0, -1],
                                           prompt["max_new_tokens"]))
-        both = (ours & theirs).sum((-1)).float()
+        both = (ours & theirs).sum(-1).float()
         jaccard = both / (ours | theirs).sum(-1).clamp_min(1)
         counts = ours.sum(-1) != theirs.sum(-1)
         rows.append({"press": name, "budget": budget, "prompt": index, "task": prompt["task"],
@@ -134,11 +131,11 @@ def kvcompile_step(args) -> None:
     for r in rows:  # kvpress's own score of the prompt in the grid
         cell = next(c for c in raw if c["press"] == r["press"] and c["budget"] == r["budget"])
         r["score_kvpress"] = cell["scores"][r["prompt"]]
-    write(rows, Path(args.out), " ".join(sys.argv), args.threads)
+    write(rows, Results("selection_agreement", args.out), " ".join(sys.argv), args.threads)
 
 
-def write(rows: list[dict], out: Path, command: str, threads: int) -> None:
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+def write(rows: list[dict], out: Results, command: str, threads: int) -> None:
+    out.json(rows)
     head = ("| press | budget | prompt | task | Jaccard mean | min | heads differing | of which by count | kept kvc "
             "| kept kvp | score kvc | score kvp | masked ref, kvc set | masked ref, kvp set |")
     lines = ["# The kept sets of kvpress and kvcompile on the prompts where their scores differ", "",
@@ -150,7 +147,7 @@ def write(rows: list[dict], out: Path, command: str, threads: int) -> None:
               f"{r['jaccard_min']:.3f} | {r['heads_differing']}/{r['heads']} | {r['heads_other_count']} | "
               f"{r['kept_kvcompile']} | {r['kept_kvpress']} | {r['score_kvcompile']:.2f} | {r['score_kvpress']:.2f} | "
               f"{r['masked_kvcompile_set']:.2f} | {r['masked_kvpress_set']:.2f} |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.markdown("\n".join(lines))
 
 
 def diffs_step(args) -> None:
@@ -183,7 +180,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--page-size", type=int, default=16,
                    help="kvcompile's pages (1: a byte budget keeps kvpress's token counts)")
-    p.add_argument("--out", default=str(RESULTS / "selection_agreement"))
+    p.add_argument("--out", help="path stem of what is written (default "
+                   "bench/results/selection_agreement/selection_agreement)")
     args = p.parse_args()
     if args.step != "diffs" and not args.cases:
         p.error(f"the {args.step} step needs --cases (the diffs step lists them)")

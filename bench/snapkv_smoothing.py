@@ -7,7 +7,7 @@ kvpress step's cells and a ``save`` of kvcompile's rows in ``--keep``), against 
 
 For each press: score and next-token KL of kvcompile as shipped (max-pool), with the average pool, and kvpress;
 and on how many prompts each kvcompile variant's score equals kvpress's. Rows of the variants are kept in
-``D/smoothing.sqlite`` (a cut run resumes). Writes ``bench/results/snapkv_smoothing.{json,md}``.
+``D/smoothing.sqlite`` (a cut run resumes). Writes ``bench/results/snapkv_smoothing/snapkv_smoothing.{json,md}``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 
 import compare_kvpress
+from record import Results, default_stem
 
-RESULTS = Path(__file__).parent / "results"
 PRESSES = ["SnapKV", "AdaKV(SnapKV)", "CriticalKV(SnapKV)", "CriticalAdaKV(SnapKV)", "ChunkPress(SnapKV)",
            "ChunkKV(SnapKV)", "EntropyGatedChunkKV(SnapKV)", "KeyRerotation(SnapKV)", "Merging(SnapKV)",
            "PerLayerCompression(SnapKV)", "Composed(Knorm+SnapKV)"]
@@ -41,14 +41,17 @@ def averaged(recipe):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", type=Path, default=Path("/tmp/kvc/kvpress"), help="compare_kvpress.py's --dir")
-    p.add_argument("--keep", type=Path, default=RESULTS / "kvpress_grid", help="where kvcompile's rows were saved")
+    p.add_argument("--keep", type=Path, default=default_stem("compare_kvpress", "kvpress_grid"),
+                   help="where kvcompile's rows were saved (compare_kvpress.py save)")
     p.add_argument("--budgets", default="0.25,0.1")
     p.add_argument("--presses", default=",".join(PRESSES), help="comma-separated, from PRESSES (default: all)")
-    p.add_argument("--out", default=str(RESULTS / "snapkv_smoothing"))
+    p.add_argument("--out", help="path stem of what is written (default "
+                   "bench/results/snapkv_smoothing/snapkv_smoothing)")
     args = p.parse_args()
     presses = args.presses.split(",")
     if set(presses) - set(PRESSES):
         p.error(f"not in the SnapKV family here: {sorted(set(presses) - set(PRESSES))}; known: {PRESSES}")
+    out = Results("snapkv_smoothing", args.out)
     import torch
 
     import kvcompile
@@ -88,8 +91,7 @@ def main():
                 row[f"n_{key}"] = len(got)
             table.append(row)
             print(row, flush=True)
-    Path(args.out + ".json").write_text(json.dumps({"budgets": budgets, "prompts": len(data["prompts"]),
-                                                    "rows": table}, indent=1))
+    out.json({"budgets": budgets, "prompts": len(data["prompts"]), "rows": table})
     lines = [f"# SnapKV's smoothing: kvcompile with the max-pool (as shipped) and with kvpress's average pool, against "
              f"kvpress ({len(data['prompts'])} prompts of {data['tasks']}, {data['length']} tokens)", "",
              "| press | budget | score max | score avg | score kvpress | KL max | KL avg | KL kvpress | "
@@ -97,7 +99,7 @@ def main():
     lines += [f"| {r['press']} | {r['budget']:g} | {r['score_max']:.2f} | {r['score_avg']:.2f} | "
               f"{r['score_kvpress']:.2f} | {r['kl_max']:.3f} | {r['kl_avg']:.3f} | {r['kl_kvpress']:.3f} | "
               f"{r['same_max']}/{r['n_max']} | {r['same_avg']}/{r['n_avg']} |" for r in table]
-    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    out.markdown("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -1,4 +1,5 @@
-"""SPECTRA's codec against the integer page formats at equal bytes per stored row (METHODS.md §12), on a real model.
+"""SPECTRA's codec against the integer page formats at equal bytes per stored row (docs/guide.md, page formats), on
+a real model.
 
 Moments of each (layer, KV head)'s keys (before RoPE) and values come from the model's own prefill of some prose
 (``--calib`` windows); on other prose (``--eval`` windows) every key and value is stored through each codec and read
@@ -8,7 +9,7 @@ the queries of a head, then averaged over heads), with the attention weights' to
 one byte width are one comparison: ``int4`` (groups of 32: 32 bytes of codes + 8 of scales) against SPECTRA at 4
 bits in groups of 32 (the same 40; ``spectra4``) and at 3 bits in groups of 16 (24 + 16). ``-sampled``: the basis
 from the moments ``kvcompile.apply`` measures (text the model samples itself), not from the prose. Writes
-``bench/results/spectra.{json,md,png}``.
+``bench/results/spectra/spectra.{json,md}``.
 
     python bench/spectra.py --model smollm2-135m
 """
@@ -16,21 +17,20 @@ from the moments ``kvcompile.apply`` measures (text the model samples itself), n
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
+from kvcompile.calibration import latent as calibration
 from kvcompile.calibration import prefill_heads
-from kvcompile.calibration import spectra as calibration
 from kvcompile.eval.fidelity import calibration_windows
 from kvcompile.kernels import latent
 from kvcompile.kernels.formats import IntCodec
 
 # (codec, bits, group); "-sampled": the moments apply measures (text the model samples itself); "saki": SAKI's keys
-# (§20's basis, bits by score error) beside values as int4 (the format saki4)
+# (its score-preserving basis, bits by score error) beside values as int4 (the format saki4)
 CODECS = [("int4", 4, 32), ("spectra", 4, 32), ("spectra-sampled", 4, 32), ("saki", 4, 32), ("spectra", 3, 16),
           ("int3", 3, 32), ("spectra", 3, 32), ("spectra", 2, 16), ("int2", 2, 32), ("spectra", 2, 32)]
 
@@ -59,8 +59,9 @@ def main() -> None:
     parser.add_argument("--calib", type=int, default=4, help="calibration windows of --length tokens")
     parser.add_argument("--eval", type=int, default=2, help="evaluation windows (other prose)")
     parser.add_argument("--queries", type=int, default=256)
-    parser.add_argument("--out", default="bench/results/spectra")
+    parser.add_argument("--out", help="path stem of what is written (default bench/results/spectra/spectra)")
     args = parser.parse_args()
+    results = Results("spectra", args.out)
 
     t0 = time.perf_counter()
     model, tok = kvcompile.load_model(args.model)
@@ -96,22 +97,22 @@ def main() -> None:
                     v = latent.decode(*latent.encode(values, vb, group), vb)
                     row_bytes[label] = latent.LatentCodec(bits, group).row_bytes(keys.shape[-1])
                 else:
-                    (k, row_bytes[label]), (v, _) = _int_round_trip(bits, group, keys), _int_round_trip(bits, group, values)
+                    (k, row_bytes[label]), (v, _) = (_int_round_trip(bits, group, keys),
+                                                     _int_round_trip(bits, group, values))
                 w = torch.softmax((queries @ k.transpose(-1, -2) * cm.programs.layers[layer].scale)
                                   .masked_fill(~mask, float("-inf")), -1)
                 out = w @ v
                 error = ((out - exact).norm(dim=(-1, -2)) / exact.norm(dim=(-1, -2))).mean().item()
                 tv = (0.5 * (w - exact_w).abs().sum(-1)).mean().item()
                 sums.setdefault(label, []).append((error, tv))
-    summary = [{"codec": label, "bytes_per_row": row_bytes[label], "bits_per_channel": 8 * row_bytes[label] / cm.spec.head_dim,
+    summary = [{"codec": label, "bytes_per_row": row_bytes[label],
+                "bits_per_channel": 8 * row_bytes[label] / cm.spec.head_dim,
                 "output_error": sum(e for e, _ in v) / len(v), "weights_tv": sum(t for _, t in v) / len(v)}
                for label, v in sums.items()]
     meta = {"model": args.model, "length": args.length, "calib_windows": args.calib, "eval_windows": args.eval,
             "queries": args.queries, "head_dim": cm.spec.head_dim, "seconds": time.perf_counter() - t0,
             "top_quarter_energy": {name: sum(v) / len(v) for name, v in energy.items()}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=1))
+    results.json({"meta": meta, "summary": summary})
     share = meta["top_quarter_energy"]
     lines = [f"SPECTRA against integer pages on {args.model} (head_dim {cm.spec.head_dim}), {args.eval} x "
              f"{args.length}-token prose windows, moments from {args.calib} other windows; the last {args.queries} "
@@ -119,9 +120,10 @@ def main() -> None:
              "variation of the attention weights. Top quarter of latent channels holds "
              f"{share['keys']:.1%} of the keys' energy, {share['values']:.1%} of the values'.", "",
              "| codec | bytes / row (K or V) | bits / channel | output error | weights TV |", "|---|---|---|---|---|"]
+    ordered = sorted(summary, key=lambda s: (-s["bytes_per_row"], s["output_error"]))
     lines += [f"| {s['codec']} | {s['bytes_per_row']} | {s['bits_per_channel']:.2f} | {s['output_error']:.4f} | "
-              f"{s['weights_tv']:.4f} |" for s in sorted(summary, key=lambda s: (-s["bytes_per_row"], s["output_error"]))]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+              f"{s['weights_tv']:.4f} |" for s in ordered]
+    results.markdown("\n".join(lines))
     print("\n".join(lines))
 
 

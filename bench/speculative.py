@@ -1,4 +1,5 @@
-"""Speculative decoding with a compressed draft (METHODS §52, inferred) on SmolLM2: acceptance, draft memory, speed.
+"""Speculative decoding with a compressed draft (inferred; docs/guide.md) on SmolLM2: acceptance, draft memory,
+speed.
 
 The target is SmolLM2 at budget 1.0 (its full cache); the draft is the same model over ``--recipe`` at ``--budget``
 (``kvcompile.apply(target, ...)``: the same programs, its own compressed cache). The prompt is the first ``n``
@@ -17,11 +18,13 @@ Batch-1 decode is bound by reading the weights, and the draft has the target's w
 speculation is expected to lose here (``docs/guide.md`` works through what a smaller draft changes). Timings are
 taken on a shared machine; only ratios within one run are compared.
 
-    OMP_NUM_THREADS=1 python bench/speculative.py --contexts 2048,4096,8000 --tokens 32   # results/speculative.*
+    OMP_NUM_THREADS=1 python bench/speculative.py --contexts 2048,4096,8000 --tokens 32
+    # bench/results/speculative/speculative.*
 
 Under heavy contention two threads lose more to waiting for each other than they gain (SmolLM2's decode steps
 measured 4 to 7 times slower with two threads than with one, minutes apart, on the loaded machine), so the committed
-run uses one thread; ``results/speculative_contended*`` keep the two-thread runs made while the machine was loaded.
+run uses one thread; ``bench/results/speculative/speculative_contended*`` keep the two-thread runs made while the
+machine was loaded.
 """
 
 from __future__ import annotations
@@ -31,13 +34,11 @@ import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def document(tokenizer, n: int) -> torch.Tensor:
@@ -121,12 +122,13 @@ def table(result) -> str:
                    target_held=r["target_bytes_held"] / MiB)
         lines.append("| " + " | ".join(f.format(**r, **mib) for _, f in COLUMNS) + " |")
     a = result["args"]
-    head = (f"# Speculative decoding with a compressed draft (METHODS §52, inferred)\n\n"
+    head = (f"# Speculative decoding with a compressed draft (inferred)\n\n"
             f"{a['model']}: target budget 1.0, draft {a['recipe']} at {a['budget']} (the same model and programs), "
             f"k = {a['k']}, {a['tokens']} new tokens, temperature {a['temperature']}; {result['machine']}. "
             "The machine was shared with other engineers' jobs while this ran: compare ratios within a row, not "
             "seconds across rows or runs. c: a draft decode step over a target decode step; v: a target "
-            "verification of k + 1 tokens over a target decode step; predicted: tokens per target call / (k c + v).\n\n")
+            "verification of k + 1 tokens over a target decode step; predicted: tokens per target call / "
+            "(k c + v).\n\n")
     return head + "\n".join(lines) + "\n"
 
 
@@ -140,8 +142,9 @@ def main():
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per step cost (median, after a warm-up)")
-    parser.add_argument("--out", default=str(RESULTS / "speculative"))
+    parser.add_argument("--out", help="path stem of what is written (default bench/results/speculative/speculative)")
     args = parser.parse_args()
+    out = Results("speculative", args.out)
     torch.manual_seed(0)
     model, tokenizer = kvcompile.load_model(args.model)
     target = kvcompile.apply(model, budget=1.0, recipe="full")
@@ -151,8 +154,8 @@ def main():
     for n in map(int, args.contexts.split(",")):
         result["rows"].append(measure(target, draft, document(tokenizer, n), args))
         print(json.dumps(result["rows"][-1]), flush=True)
-        Path(args.out + ".json").write_text(json.dumps(result, indent=1))
-        Path(args.out + ".md").write_text(table(result))
+        out.json(result)
+        out.markdown(table(result))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Steps as retention units (METHODS §51, inferred) against token-level recipes at equal bytes, on SmolLM2 and the
+"""Steps as retention units (inferred; docs/methods_scorers.md) against token-level recipes at equal bytes, on
+SmolLM2 and the
 multi-step tasks (``kvcompile.eval.step_tasks``: a reasoning chain and an agent trace).
 
 Per sample the full-budget model prefills the whole prompt (context, question and chat markers; the answer prefix
@@ -9,19 +10,18 @@ over every layer and KV head (step retention), the answer's score (the reference
 against the budget's (checked: held <= budget in every cell). ``reco+reflect`` is ReCo with its reflection penalty
 (0.5 on steps holding "Wait", "let me re-check"...), reported apart from ``reco``'s compression.
 
-    nice python bench/steps.py --samples 10                       # results/steps.{md,json,png}
+    nice python bench/steps.py --samples 10     # bench/results/steps/steps.{md,json,png}
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
 from kvcompile.budget import Budget
@@ -31,7 +31,6 @@ from kvcompile.eval.sweep import shared_base
 from kvcompile.eval.synthetic import get_task, make_sample
 from kvcompile.recipes import get_recipe, reflection
 
-RESULTS = Path(__file__).parent / "results"
 RECIPES = ["stepkv", "commitkv", "reco", "snapkv", "tova", "streamingllm"]
 
 
@@ -100,7 +99,8 @@ def markdown(summary: list[dict], config: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], path: Path) -> None:
+def plot(summary: list[dict]):
+    """Step retention and accuracy against KiB held, a panel per task and metric (a figure to save)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,7 +120,7 @@ def plot(summary: list[dict], path: Path) -> None:
             ax.set(title=f"{task}: {metric}", xlabel="KiB held", ylabel=metric)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def main():
@@ -131,31 +131,32 @@ def main():
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS / "steps"))
+    p.add_argument("--out", help="path stem of what is written (default bench/results/steps/steps)")
     args = p.parse_args()
+    out = Results("steps", args.out)
     t0 = time.perf_counter()
     model, tokenizer = kvcompile.load_model("smollm2-135m")
     grid = cells(tokenizer, args.recipes.split(","), [float(b) for b in args.budgets.split(",")])
     base = shared_base(kvcompile.apply(model, budget=1.0, recipe="full"), grid)
-    rows, out = [], Path(args.out)
+    rows = []
     for index in range(args.samples):  # every task at each index, the outputs rewritten after each sample
         for task in args.tasks.split(","):
             rows += run_sample(base, tokenizer, grid, task, args.length, args.seed, index)
             print(f"{task} {index}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         write(out, rows, args, index + 1, time.perf_counter() - t0, grid)
-    print(out.with_suffix(".md").read_text())
+    print(out.path(".md").read_text())
 
 
-def write(out: Path, rows: list[dict], args, samples: int, wall_s: float, grid) -> None:
+def write(out: Results, rows: list[dict], args, samples: int, wall_s: float, grid) -> None:
     summary = summarize(rows)
     config = {"command": "python bench/steps.py " + " ".join(sys.argv[1:]), "length": args.length,
               "samples": samples, "seed": args.seed, "wall_s": wall_s,
               "machine": f"{platform.machine()} CPU, {torch.get_num_threads()} threads (shared)",
               "recipe_tags": {r.name: r.tag for r, _ in grid}}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"config": config, "summary": summary, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(markdown(summary, config))
-    plot(summary, out.with_suffix(".png"))
+    out.json({"config": config, "summary": summary, "rows": rows})
+    out.markdown(markdown(summary, config))
+    out.figure(plot(summary), dpi=110)
+
 
 if __name__ == "__main__":
     main()

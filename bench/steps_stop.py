@@ -8,18 +8,17 @@ output (the prompt's open step, the answer prefix, as its head) is where ``gener
 (greedy tokens before the stop are the same: tests/test_early_stop.py), so one decode gives both runs: tokens
 generated with and without, and both scores. Steps end at "." here (``--step-end``): the answers are one line.
 
-    nice python bench/steps_stop.py --samples 3                   # results/steps_stop.{md,json}
+    nice python bench/steps_stop.py --samples 3     # bench/results/steps_stop/steps_stop.{md,json}
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
 from kvcompile.budget import Budget
@@ -29,8 +28,6 @@ from kvcompile.eval.step_tasks import step_spans
 from kvcompile.eval.sweep import shared_base
 from kvcompile.eval.synthetic import make_sample
 from kvcompile.recipes import get_recipe
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def run_sample(base, tokenizer, grid, stop: EarlyStop, task: str, args, index: int) -> list[dict]:
@@ -86,13 +83,14 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-end", default=".", help="EarlyStop's step_end (its default, a line, never ends the "
                    "one-line answers here)")
-    p.add_argument("--out", default=str(RESULTS / "steps_stop"))
+    p.add_argument("--out", help="path stem of what is written (default bench/results/steps_stop/steps_stop)")
     args = p.parse_args()
+    out = Results("steps_stop", args.out)
     t0 = time.perf_counter()
     model, tokenizer = kvcompile.load_model("smollm2-135m")
     grid = [(get_recipe(c.split(":")[0]), Budget.parse(float(c.split(":")[1]))) for c in args.recipes.split(",")]
     base = shared_base(kvcompile.apply(model, budget=1.0, recipe="full"), grid)
-    stop, rows, out = EarlyStop(tokenizer, step_end=args.step_end), [], Path(args.out)
+    stop, rows = EarlyStop(tokenizer, step_end=args.step_end), []
     for index in range(args.samples):
         for task in args.tasks.split(","):
             rows += run_sample(base, tokenizer, grid, stop, task, args, index)
@@ -101,10 +99,9 @@ def main():
                   "samples": index + 1, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                   "step_end": args.step_end,
                   "wall_s": time.perf_counter() - t0, "recipe_tags": {r.name: r.tag for r, _ in grid}}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps({"config": config, "rows": rows}, indent=1))
-        out.with_suffix(".md").write_text(markdown(rows, config))
-    print(out.with_suffix(".md").read_text())
+        out.json({"config": config, "rows": rows})
+        out.markdown(markdown(rows, config))
+    print(out.path(".md").read_text())
 
 
 if __name__ == "__main__":

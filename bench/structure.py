@@ -8,23 +8,24 @@ the calibrated head scores are saved in the JSON (``structure``).
 
 (``--tau 0.8``, the paper's Mistral value: with its default 0.9 no SmolLM2 layer is lazy on a 1k prompt.)
 
-Writes ``bench/results/structure_heads.{csv,json,md,png}``. With ``--headwise``, HeadWiseKV on Gemma-3-270M (15 of
-18 layers slide over 512 tokens) instead: windows calibrated per budget by SeqCalib on offline prose
-(``calibration.headwisekv``) against the same windows all equal (StreamingLLM, uniform allocation) and SnapKV at
-equal bytes, into ``bench/results/structure_headwise.*``:
+Writes ``bench/results/structure/structure_heads.{csv,json,md,png}``. With ``--headwise``, HeadWiseKV on
+Gemma-3-270M (15 of 18 layers slide over 512 tokens) instead: windows calibrated per budget by SeqCalib on offline
+prose (``calibration.headwisekv``) against the same windows all equal (StreamingLLM, uniform allocation) and SnapKV
+at equal bytes, into ``bench/results/structure/structure_headwise.*``:
 
     python bench/structure.py --headwise --samples 3 --length 1024 --budgets 0.25,0.1 --calibration 2
- Transactional Attention runs from the command line
-(``kvcompile eval --recipes snapkv,ta-fast+snapkv --tasks credential,passkey``: ``bench/results/structure_ta``).
+
+Transactional Attention runs from the command line (``kvcompile eval --recipes snapkv,ta-fast+snapkv --tasks
+credential,passkey``: ``bench/results/kvcompile-eval/structure_ta``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
 from kvcompile.calibration import headwisekv
@@ -35,8 +36,6 @@ from kvcompile.eval.synthetic import make_sample
 from kvcompile.methods.simlayerkv import lazy_mass
 from kvcompile.observation import observe
 from kvcompile.recipes import Recipe, get_recipe
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def lazy_layers(cm, tok, length: int, recipe: Recipe) -> list[float]:
@@ -52,6 +51,7 @@ def lazy_layers(cm, tok, length: int, recipe: Recipe) -> list[float]:
 
 def headwise(args) -> None:
     """HeadWiseKV with SeqCalib windows (one recipe per budget) against uniform windows and SnapKV on Gemma-3."""
+    out = Results("structure", name="structure_headwise")
     model, tok = kvcompile.load_model("gemma3-270m")
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     base = get_recipe("headwisekv")
@@ -70,7 +70,7 @@ def headwise(args) -> None:
               "samples": [s for r in results for s in r["samples"]],
               "timing": {k: sum(r["timing"][k] for r in results) for k in results[0]["timing"]}}
     result["structure"] = {"windows": {str(b): w for b, w in windows.items()}}
-    for path in sweep.write(result, RESULTS / "structure_headwise", model="gemma3-270m"):
+    for path in out.adopt(sweep.write(result, out.stem, model="gemma3-270m")):
         print(path)
 
 
@@ -86,6 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.headwise:
         return headwise(args)
+    out = Results("structure", name="structure_heads")
     model, tok = kvcompile.load_model("smollm2-135m")
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     duo = get_recipe("duoattention")
@@ -105,7 +106,7 @@ def main() -> None:
     result = sweep.run(cm, tok, ["snapkv", simlayer, calibrated], budgets, args.tasks.split(","),
                        n_samples=args.samples, length=args.length, kl=True, model="smollm2-135m")
     result["structure"] = {"head_scores": scores, "lazy_mass_first_passkey": masses, "lazy_layers": lazy}
-    for path in sweep.write(result, RESULTS / "structure_heads", model="smollm2-135m"):
+    for path in out.adopt(sweep.write(result, out.stem, model="smollm2-135m")):
         print(path)
 
 

@@ -5,19 +5,19 @@ against the best static configuration (the one with the best rate on the trainin
 
     python bench/structure_metakv.py --samples 8 --lengths 512,1024,1536
 
-Writes ``bench/results/structure_metakv.{json,md}``, the predictors ``structure_metakv_predictors.json`` and the
-sweep's rows ``structure_metakv.sqlite`` (a rerun resumes it: stored cells are not run again).
+Writes ``bench/results/structure_metakv/structure_metakv.{json,md}``, the predictors
+``structure_metakv_predictors.json`` and the sweep's rows ``structure_metakv.sqlite`` (a rerun resumes it: stored
+cells are not run again).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
-from pathlib import Path
 
 import torch
+from record import Results
 
 import kvcompile
 from kvcompile.eval import sweep
@@ -26,7 +26,6 @@ from kvcompile.eval.store import Store
 from kvcompile.eval.synthetic import make_sample
 from kvcompile.metakv import MetaKV, prompt_features
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = "smollm2-135m"
 
 
@@ -130,14 +129,15 @@ def main() -> None:
     ap.add_argument("--budgets", default="0.5,0.25,0.1")
     ap.add_argument("--tasks", default="niah_single_1,passkey")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(RESULTS / "structure_metakv"), help="path stem of what is written")
+    ap.add_argument("--out", help="path stem of what is written (default "
+                    "bench/results/structure_metakv/structure_metakv)")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Results("structure_metakv", args.out)
     model, tok = kvcompile.load_model(MODEL)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     lengths, tasks = [int(n) for n in args.lengths.split(",")], args.tasks.split(",")
     t0 = time.perf_counter()
-    with Store(out.with_suffix(".sqlite")) as store:
+    with Store(out.path(".sqlite")) as store:
         for n in lengths:
             sweep.run(cm, tok, args.recipes.split(","), [sweep.parse_budget(b) for b in args.budgets.split(",")],
                       tasks, n_samples=args.samples, length=n, seed=args.seed, store=store, model=MODEL)
@@ -153,7 +153,7 @@ def main() -> None:
     t0 = time.perf_counter()
     meta = MetaKV.fit(flat(prompts, train))
     fit_s = time.perf_counter() - t0
-    meta.save(out.with_name(out.name + "_predictors.json"))
+    meta.save(out.path("_predictors.json"))
     full_mib = max(r["memory"] for k in keys for r in prompts[k]["rows"])
     latencies = sorted(r["latency_ms"] for k in train for r in prompts[k]["rows"])
     limits = [(latencies[int(q * (len(latencies) - 1))], f * full_mib) for q in (0.25, 0.5, 0.9) for f in (0.1, 0.3, 1)]
@@ -163,8 +163,8 @@ def main() -> None:
                   "configs": sorted(meta.weights), "prompts": len(keys), "train": len(train), "test": len(test),
                   "tasks": tasks, "lengths": lengths},
               "table": table, "predictor_error": error}
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
+    out.json(result)
+    out.markdown(markdown(result))
     print(markdown(result))
 
 

@@ -11,7 +11,7 @@ plan (``PagedKVCache.keep``). ``export``/``load`` (``artifact``) ship the progra
 Example::
 
     model, tok = kvcompile.load_model("smollm2-135m")
-    cm = kvcompile.apply(model, budget=0.25, recipe="snapkv")
+    cm = kvcompile.apply(model, budget=0.25)  # the default recipe; others: kvcompile.recipes()
     out = cm.generate(**tok("...", return_tensors="pt"), max_new_tokens=32)
     print(cm.cache_stats()["bytes_held"])
 """
@@ -23,10 +23,10 @@ from torch import nn
 from . import adapters, checks, observation, ops
 from .artifact import export, load
 from .budget import Budget
-from .first_use import build_recipe
 from .kernels.formats import get_format
 from .model import CompressedModel
 from .programs import Programs
+from .recipes import DEFAULT as DEFAULT_RECIPE
 from .recipes import Recipe, get_recipe, recipes
 from .spec import ModelSpec
 
@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 def apply(
     model: nn.Module,
     budget: float | int | str = 1.0,
-    recipe: str | Recipe = "snapkv",
+    recipe: str | Recipe = DEFAULT_RECIPE,
     *,
     page_size: int = 16,
     prefill_chunk: int | None = None,
@@ -55,11 +55,11 @@ def apply(
         ``num_kv_heads``, ``head_dim``. It is not modified.
     budget: fraction of the context's KV bytes in (0, 1], an int (average tokens per KV head), or a size per
         sequence such as ``"64MiB"``. ``1.0`` keeps everything.
-    recipe: a name from ``kvcompile.recipes()``, a composition (``"chunkkv+snapkv"``; a page format last stores
-        what is kept in it: ``"snapkv+int4"``, ``"full+fp8"``) or a ``Recipe``.
+    recipe: a name from ``kvcompile.recipes()``, a composition of names joined by ``+`` (a page format last
+        stores what is kept in it: ``"full+fp8"``; docs/guide.md) or a ``Recipe``.
     page_size: tokens per page (P). Smaller pages waste less to rounding; larger pages read faster.
     prefill_chunk: prefill long prompts this many tokens at a time, compressing between chunks, so the cache
-        peaks near budget + one chunk (default: the recipe's, e.g. 128 for ``"block+keydiff"``).
+        peaks near budget + one chunk (default: the recipe's ``Recipe.prefill_chunk``).
     compile: ``True`` sends the rewritten prefill and decode programs through ``torch.compile`` (Inductor,
         ``fullgraph=True``; prefill with dynamic shapes; decode compiles once per batch size, in a CUDA graph on
         CUDA); a backend name or callable picks another backend.
@@ -68,11 +68,12 @@ def apply(
         folder may be given); ``False`` captures afresh and stores nothing. ``KVCOMPILE_PROGRAM_CACHE=0`` turns
         it off for the process.
 
-    Example: ``kvcompile.apply(model, budget=0.25, recipe="adakv-snapkv")``.
+    Example: ``kvcompile.apply(model, budget=0.25, recipe=name)``, ``name`` from ``kvcompile.recipes()``
+    (docs/methods.md says what each computes).
     """
     budget = Budget.parse(budget)
     recipe = get_recipe(recipe)
-    scorer, _ = build_recipe(recipe)  # bad recipe parameters fail here, before any capture
+    scorer, _ = recipe.build()  # bad recipe parameters fail here, before any capture
     if scorer is not None:
         observation.check(scorer.sources(), f"recipe {recipe.name!r}")
     if recipe.scorer is None and recipe.format is None and not budget.is_full:
@@ -97,7 +98,7 @@ def apply(
     device = next(programs.captured.parameters()).device
     moments = model.latent_moments if isinstance(model, CompressedModel) else None
     if moments is None and recipe.format is not None and get_format(recipe.format).latent:
-        from .calibration.spectra import sampled_moments  # calibration runs the model: it sits above it
+        from .calibration.latent import sampled_moments  # calibration runs the model: it sits above it
 
         full = CompressedModel(programs.compile(False), spec, get_recipe("full"), Budget.parse(1.0), device=device,
                                source=source)

@@ -54,7 +54,7 @@ class Adapter(nn.Module):
     @contextlib.contextmanager
     def installed(self, model: nn.Module, tokens: Tensor | None = None):
         """Within the block, ``model``'s adapted projections add x A^T B^T * scale (gradients reach A and B), at
-        every token, or only where ``tokens`` [T] is True (RestoreKV's restore tokens, in a pass over more)."""
+        every token, or only where ``tokens`` [T] is True (a restore pass's restore tokens, in a pass over more)."""
         modules = dict(model.named_modules())
         hooks = [modules[key.replace("/", ".")].register_forward_hook(self._hook(key, tokens)) for key in self.a]
         try:
@@ -84,6 +84,6 @@ def adapted(model: nn.Module, spec: dict) -> nn.Module:
     """A copy of ``model`` with the adapter a recipe names (``Recipe.adapter``: its method, weights and pinned
     SHA-256, looked up as ``methods.learned`` looks up weights) merged in."""
     method, weights = spec["method"], spec["weights"]
-    hint = f"train it with `kvcompile train` (docs/guide.md, \"Adapters\"), e.g. `kvcompile train abstain --model {weights}`"
+    hint = f"train it (docs/guide.md, \"Adapters\"), e.g. `kvcompile train abstain --model {weights}`"
     tensors, _ = learned.load(method, weights, spec.get("sha256", ""), hint)
     return Adapter.from_tensors(model, tensors).merged(model)

@@ -1,10 +1,10 @@
-"""AnchorKV's compression (METHODS.md §11): every held token goes to ``anchor2`` pages as its nearest anchor scaled
-(``methods.anchorkv``), and the residuals of the tokens whose approximation most moves the output are coded
-(``kernels.anchored``), as many as the byte budget leaves once the anchors and every token's row are paid for.
+"""AnchorKV's compression (docs/methods_formats.md#anchorkv): every held token goes to ``anchor2`` pages as its nearest
+anchor scaled (``methods.anchorkv``), and the residuals of the tokens whose approximation most moves the output are
+coded (``kernels.anchored``), as many as the byte budget leaves once the anchors and every token's row are paid for.
 
-§11 pools the residual count over a layer's heads and splits it between keys and values; here every layer gets an
-equal share of what the budget leaves, halved between keys and values (the split is inferred), and the rows of one
-batch get as many residual slots as the tightest of them affords (their tables share one shape).
+AnchorKV pools the residual count over a layer's heads and splits it between keys and values; here every layer gets an
+equal share of what the budget leaves, halved between keys and values (the split is inferred), and the rows of one batch
+get as many residual slots as the tightest of them affords (their tables share one shape).
 """
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ def base_bytes(cache: PagedKVCache, held: Tensor, method: AnchorKV = AnchorKV())
     rows = cache.pages_held(held).sum(dim=(0, 2)) * cache.stored_page_bytes
     L, Hkv, D = cache.num_layers, cache.num_kv_heads, cache.head_dim
     return rows + L * 2 * Hkv * (1 + anchor_width(held, method)) * D * 4
+
+
+def check_fits(cache: PagedKVCache, held: Tensor, budget_bytes: Tensor, budget: str) -> None:
+    """Raise when the anchors and every token's rows (``base_bytes``) of heads holding ``held`` [L, B, Hkv] tokens
+    exceed ``budget_bytes`` [B] (``budget`` names it)."""
+    need = base_bytes(cache, held)
+    if bool((need > budget_bytes).any()):
+        raise ValueError(f"AnchorKV's anchors and the rows of every token need {int(need.max())} bytes in a "
+                         f"sequence, over {budget}; raise the budget")
 
 
 def anchor_width(held: Tensor, method: AnchorKV) -> int:

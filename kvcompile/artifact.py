@@ -7,7 +7,7 @@ The artifact is a folder::
                               AOTInductor packages: (*signature.INPUTS) -> logits
                               (``backend="tensorrt"``: ``*.ep``, exported programs holding TensorRT engines)
     kvcompile.json            spec (geometry, dtype, windows), per-layer scales, recipe, budget, page size
-    latent_moments.safetensors  a latent format's calibration (SPECTRA, SAKI) (``CompressedModel.latent_moments``), when it has one
+    latent_moments.safetensors  a latent format's calibration (``CompressedModel.latent_moments``), when it has one
 
 The cache stays outside the packages (its tensors are program inputs, mutated in place), so the loaded model
 allocates, compresses and reports bytes exactly like the in-memory one. The kvcompile ops run through the
@@ -25,16 +25,17 @@ from safetensors.torch import load_file, save_file
 
 from .budget import Budget
 from .cache import PagedKVCache
-from .methods.spectra import Moments
+from .methods.moments import Moments
 from .model import CompressedModel
 from .programs import Programs
 from .recipes import Recipe
 from .signature import INPUTS
 from .spec import ModelSpec
 
-_FORMAT = 6  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
+_FORMAT = 7  # 2: the ring's slots are an input and its length is dynamic; 3: the format pool's tensors are inputs;
 # 4: decode over the format pool calls the opaque op kvcompile::format_attention; 5: the log-weight channel is an input;
-# 6: a CPU decode over fp32 pages calls the opaque op kvcompile::native_decode
+# 6: a CPU decode over fp32 pages calls the opaque op kvcompile::native_decode; 7: the attention ops take the format
+# pool as one list argument
 _NAMES = ("prefill", "prefill_last", "decode")
 MOMENTS = "latent_moments.safetensors"
 _SUFFIX = {"aoti": ".pt2", "tensorrt": ".ep"}
@@ -45,7 +46,8 @@ def _require_tensorrt(device: torch.device) -> None:
     try:
         import torch_tensorrt  # noqa: F401
     except ImportError as e:
-        raise ImportError("backend='tensorrt' needs torch_tensorrt (pip install torch-tensorrt); use backend='aoti'") from e
+        raise ImportError("backend='tensorrt' needs torch_tensorrt (pip install torch-tensorrt); "
+                          "or backend='aoti'") from e
     if device.type != "cuda":
         raise ValueError(f"backend='tensorrt' needs the model on a CUDA device; it is on {device.type}")
 
@@ -74,7 +76,8 @@ def _dynamic_shapes(decode: bool, formatted: bool, weighted: bool, anchored: boo
     """``signature.INPUTS``' varying sizes as ``torch.export`` dimensions. A decode program has one token and a
     fixed ring (the recipe's decode window: its op writes the ring only when there is one); the prefill op is
     opaque, so its ring may be any length, 0 included. Without a page format the format pool is empty (static),
-    without AnchorKV's rows its tables are, and without weighted entries the log-weight channel is."""
+    without anchored rows (``cache.anchored``) their tables are, and without weighted entries the log-weight
+    channel is."""
     dims = {name: torch.export.Dim(name, min=lo, max=hi) for name, (lo, hi) in _RANGES.items()}
     static = ((("tokens", "ring") if decode else ()) + (() if formatted else ("fmt_pages", "fmt_width"))
               + (() if anchored else ("anchors", "residuals")) + (() if weighted else ("lw_pages",)))

@@ -1,11 +1,10 @@
 """The ``HiddenStates`` source: each layer's attention input (the normed hidden state its key and value projections
 read), for every token the cache read.
 
-The paged programs do not output hidden states, so this is one dense forward pass of the model the
-``CompressedModel`` was applied to (its ``source``, which shares its weights) over the tokens read, with a hook on
-each attention module's input. KVzap reads these where kvpress does (METHODS.md §32); kvpress gets them from the
-forward it is already running, here they cost one more prefill, so the context is read in one go (as for
-``Gradients``).
+The paged programs do not output hidden states, so this is one dense forward pass of the model the ``CompressedModel``
+was applied to (its ``source``, which shares its weights) over the tokens read, with a hook on each attention module's
+input. A scorer reads these where kvpress does (docs/methods_learned.md); kvpress gets them from the forward
+it is already running, here they cost one more prefill, so the context is read in one go (as for ``Gradients``).
 """
 
 from __future__ import annotations

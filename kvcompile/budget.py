@@ -24,12 +24,13 @@ class Budget:
     value: float
 
     @classmethod
-    def parse(cls, budget) -> "Budget":
+    def parse(cls, budget) -> Budget:
         """Read ``0.25`` (fraction of the context), ``512`` (tokens per KV head) or ``"64MiB"`` (bytes per sequence)."""
         if isinstance(budget, Budget):
             return budget
         if isinstance(budget, bool) or budget is None:
-            raise ValueError(f"budget must be a fraction in (0, 1], a token count or a size like '64MiB', got {budget!r}")
+            raise ValueError(f"budget must be a fraction in (0, 1], a token count or a size like '64MiB', "
+                             f"got {budget!r}")
         if isinstance(budget, int):
             if not 0 < budget <= MAX_TOKENS:
                 raise ValueError(

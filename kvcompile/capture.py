@@ -14,7 +14,6 @@ from torch import Tensor, fx, nn
 
 from .spec import ModelSpec
 
-
 _SYM_BUILTINS = {torch.sym_min: min, torch.sym_max: max}
 
 

@@ -8,9 +8,9 @@ import math
 import torch
 from torch import Tensor
 
-from .kernels.formats import get_format
 from .compress import WEIGHTED_STRATEGIES
 from .early_stop import EarlyStop
+from .kernels.formats import get_format
 from .methods.sources import Reconstruction
 
 
@@ -149,7 +149,7 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
     if recipe.scorer is None and budget.kind == "fraction" and budget.value < share:
         raise ValueError(f"recipe {recipe.name!r} stores every token in {recipe.format} pages, {share:.3f} of the "
                          f"model dtype's bytes, above budget={budget}; add a scorer that evicts "
-                         f"('snapkv+{recipe.format}') or raise the budget")
+                         f"('<scorer>+{recipe.format}') or raise the budget")
 
 
 def dense_pass(recipe, source, prefill_chunk, schedule, allocator, restores: int = 0) -> None:

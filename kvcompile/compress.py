@@ -17,13 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import anchoring
 from .cache import PagedKVCache
-from .kernels.formats import PrunedCodec, get_format
+from .encoding import encoder_of
+from .kernels.formats import get_format
 from .methods import Allocator, Scorer
 from .methods.base import is_pinned
-from .methods.merging import ValueMerging
-from .methods.think import ThinK
 from .observation import observe
 from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
@@ -135,7 +133,7 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers, len
 
 
 def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
-    """Every entry an allocator's choice of original tokens and prototypes (``Allocator.prototypes``: GraceKV),
+    """Every entry an allocator's choice of original tokens and prototypes (``Allocator.prototypes``),
     within the budget's pages of each row; when every held token fits, all are kept as they are. Tokens that are no
     candidates (scored -inf: out of a sliding window, or kept apart) are left out of the allocator's view (``lengths``
     counts the rest)."""
@@ -190,8 +188,9 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     which the allocator then shares among what is still visible (on a hybrid model, mostly the global layers)."""
     precise_recent, anchors = recipe.precise_recent, recipe.precise_anchors
     check_fits(cache, recipe, scorer, budget_bytes, cache.seen)
-    if cache.anchored:  # AnchorKV evicts nothing: every token is encoded against its anchors
-        cache.keep(anchoring.plan(cache, layers, budget_bytes))
+    encoder = encoder_of(cache.page_format)
+    if encoder is not None:  # rows encoded against tables of the whole prompt: every token is kept
+        cache.keep(encoder.plan(cache, layers, budget_bytes))
         return
     held = cache.held().long()
     recent = cache.precise(precise_recent, anchors)
@@ -209,7 +208,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     scores = scores.masked_fill(aside | dead, float("-inf"))
     restored = _restored(cache, (dense or {}).get("restored"), scores.shape[-1])
     floor = None if restored is None else restored.sum(-1)
-    if restored is not None:  # kept first, above every pin (KVzip's sinks), and charged like any token
+    if restored is not None:  # kept first, above every pin (sinks), and charged like any token
         scores = scores.masked_fill(restored, torch.finfo(torch.float32).max)
     if precise_recent or anchors:  # kept apart: the scored tokens compete for what the window leaves of the budget
         window = _padded(recent, scores.shape[-1])
@@ -227,7 +226,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
                                   STORED_FORMAT)
         plan = dataclasses.replace(plan, formats=formats, channels=channels)
     if recipe.merge:
-        merge_evicted(cache, plan, layers, ValueMerging(**recipe.merge))
+        merge_evicted(cache, plan, layers, recipe.merger())
     cache.keep(plan)
 
 
@@ -242,11 +241,9 @@ def check_fits(cache: PagedKVCache, recipe, scorer: Scorer | None, budget_bytes:
         return
     held, precise = cache.counts_after(window, anchors, seen, fresh)
     budget = f"the budget ({int(budget_bytes.min())} bytes in a sequence)"
-    if cache.anchored:
-        need = anchoring.base_bytes(cache, held)
-        if bool((need > budget_bytes).any()):
-            raise ValueError(f"AnchorKV's anchors and the rows of every token need {int(need.max())} bytes in a "
-                             f"sequence, over {budget}; raise the budget")
+    encoder = encoder_of(cache.page_format)
+    if encoder is not None:
+        encoder.check_fits(cache, held, budget_bytes, budget)
         return
     recent = cache.pages_held(precise).sum(dim=(0, 2)) * cache.page_bytes
     if bool((recent > budget_bytes).any()):
@@ -260,16 +257,15 @@ def check_fits(cache: PagedKVCache, recipe, scorer: Scorer | None, budget_bytes:
 
 
 def key_channels(cache: PagedKVCache, layers) -> Tensor | None:
-    """[L, B, Hkv, W] the key channels ThinK keeps in each head, for a page format that drops some (None for any
-    other), from the queries the cache observed and the keys it holds now."""
-    codec = get_format(cache.page_format).key if cache.page_format is not None else None
-    if not isinstance(codec, PrunedCodec):
+    """[L, B, Hkv, W] the key channels each head keeps, for a page format whose keys keep channels chosen per head
+    (``PageFormat.prunes_keys``; None for any other), from the queries the cache observed and the keys it holds."""
+    fmt = get_format(cache.page_format) if cache.page_format is not None else None
+    if fmt is None or not fmt.prunes_keys:
         return None
-    think = ThinK(codec.ratio)
-    return torch.stack([think.channels(observe(cache, layer)) for layer in layers])
+    return torch.stack([fmt.key_channels(observe(cache, layer)) for layer in layers])
 
 
-def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging: ValueMerging) -> None:
+def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging) -> None:
     """Fold the values ``plan`` evicts into the entries it keeps (``methods.merging``), written back in place
     (``PagedKVCache.rewrite``) before the plan is applied; keys and positions stay as they are."""
     kept = plan.kept(int(cache.held().max()))

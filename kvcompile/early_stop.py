@@ -1,13 +1,13 @@
 """ReCo's early stop as a generation option: ``cm.generate(..., early_stop=EarlyStop(tokenizer))``.
 
-METHODS §51 gives one line: "generation stops early once the reward indicates a settled answer". INFERRED (the
-paper was not found): no process reward model runs while generating, so the settled answer is read off the tokens
-the row has generated. The text is cut into steps at ``step_end`` (a line, by default); when a token completes a
-step, the row stops if that step repeats a step it generated before (the model restates itself: no progress, the
-reward a repeated step would earn) or holds an end-of-answer marker (``markers``: "the answer is", "Answer:"; the
-answer was given). The step the prompt leaves open counts as the first step's start, so an answer prefix in the
-prompt ("Answer: the code is") makes the first completed step an answer. The tokens before the stop are exactly
-those the row generates without it; the check reads each token on the host (a sync per step, only when on).
+ReCo is known from one line (generation stops early once its reward says the answer is settled). INFERRED (the paper was
+not found; docs/methods_scorers.md#reco): no process reward model runs while generating, so the settled answer is read
+off the tokens the row has generated. The text is cut into steps at ``step_end`` (a line, by default); when a token
+completes a step, the row stops if that step repeats a step it generated before (the model restates itself: no progress,
+the reward a repeated step would earn) or holds an end-of-answer marker (``markers``: "the answer is", "Answer:"; the
+answer was given). The step the prompt leaves open counts as the first step's start, so an answer prefix in the prompt
+("Answer: the code is") makes the first completed step an answer. The tokens before the stop are exactly those the row
+generates without it; the check reads each token on the host (a sync per step, only when on).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The ``Gradients`` source: how much each token's attention output moves the model's last hidden states.
 
-KVgrad (METHODS.md §39) weighs the attention a probe token p pays a key by ||dPhi/da_p^l||, the gradient of
-Phi = sum over probes of ||h_p^L||^2 (the last decoder layer's output, before the final norm) with respect to layer
-l's attention output at p. The paged programs have no backward, so this is one dense forward and backward pass of
-the model the ``CompressedModel`` was applied to (its ``source``, which shares its weights) over the context and the
+A scorer that reads it (docs/methods_scorers.md) weighs the attention a probe token p pays a key by ||dPhi/da_p^l||, the
+gradient of Phi = sum over probes of ||h_p^L||^2 (the last decoder layer's output, before the final norm) with respect
+to layer l's attention output at p. The paged programs have no backward, so this is one dense forward and backward pass
+of the model the ``CompressedModel`` was applied to (its ``source``, which shares its weights) over the context and the
 probes; the weights are left as they were (no gradient is stored on them).
 """
 

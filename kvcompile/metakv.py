@@ -1,5 +1,5 @@
-"""MetaKV (METHODS §6): per prompt, pick a configuration (recipe x budget) under the user's latency and memory
-limits, by small predictors of each configuration's latency, peak KV memory and probability of a correct answer,
+"""MetaKV (docs/methods.md#metakv): per prompt, pick a configuration (recipe x budget) under the user's latency and
+memory limits, by small predictors of each configuration's latency, peak KV memory and probability of a correct answer,
 fitted on stored sweep results (``eval.sweep`` per-sample rows, ``eval.store``).
 
 The predictors are linear (latency, memory) and logistic (correctness) in a handful of prompt features, one set
@@ -59,7 +59,7 @@ class MetaKV:
     weights: dict = field(default_factory=dict)
 
     @classmethod
-    def fit(cls, rows: list[dict]) -> "MetaKV":
+    def fit(cls, rows: list[dict]) -> MetaKV:
         """Rows of ``{"config", "features", "latency_ms", "memory", "correct"}`` (one per prompt and configuration)."""
         by: dict[str, list[dict]] = {}
         for r in rows:
@@ -83,7 +83,7 @@ class MetaKV:
         return out
 
     def choose(self, features: list[float], max_latency_ms: float, max_memory: float) -> str:
-        """The configuration for one prompt (METHODS §6): among those predicted within both limits, the
+        """The configuration for one prompt (MetaKV's rule): among those predicted within both limits, the
         uncompressed one if it is there, else per recipe its largest feasible budget, the most likely correct of
         those; none feasible: the one least over, by latency / max_latency_ms + memory / max_memory."""
         if not (max_latency_ms > 0 and max_memory > 0):
@@ -112,7 +112,7 @@ class MetaKV:
         Path(path).write_text(json.dumps({"features": FEATURES, "weights": self.weights}, indent=1))
 
     @classmethod
-    def load(cls, path: str | Path) -> "MetaKV":
+    def load(cls, path: str | Path) -> MetaKV:
         data = json.loads(Path(path).read_text())
         if tuple(data.get("features", ())) != FEATURES:
             raise ValueError(f"{path}: predictors over features {data.get('features')}, this MetaKV reads {FEATURES}")

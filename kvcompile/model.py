@@ -14,10 +14,12 @@ import dataclasses
 import torch
 from torch import Tensor, nn
 
-from . import checks, observation, rerotation, segments as segmenting
+from . import checks, observation, rerotation
+from . import segments as segmenting
 from .budget import Budget
 from .cache import PagedKVCache
-from .compress import WEIGHTED_STRATEGIES, compress as compress_cache
+from .compress import WEIGHTED_STRATEGIES
+from .compress import compress as compress_cache
 from .forking import Forking
 from .generation import generate_tokens
 from .kernels.formats import latent_basis
@@ -32,10 +34,10 @@ from .steps import Steps
 class CompressedModel(Steps, Speculation, Forking, nn.Module):
     """A causal LM over a compressed, ragged per-head paged KV cache. Build it with ``kvcompile.apply``.
 
-    Positions keep counting the original sequence after eviction; keys are stored after RoPE (SPECTRA's pages: before
-    it, ``kernels.latent``). The budget applies per sequence, to the tokens prefilled with ``compress=True`` (tokens
-    appended by ``decode`` are held on top of it, unless the recipe compresses while decoding, whose cap counts every
-    token). The model's weights are its parameters (shared with the model it was applied to, as a wrapper shares
+    Positions keep counting the original sequence after eviction; keys are stored after RoPE (a latent format's pages:
+    before it, ``kernels.latent``). The budget applies per sequence, to the tokens prefilled with ``compress=True``
+    (tokens appended by ``decode`` are held on top of it, unless the recipe compresses while decoding, whose cap counts
+    every token). The model's weights are its parameters (shared with the model it was applied to, as a wrapper shares
     them), so ``.to(device)`` / ``.to(dtype)`` move both; the graph is captured again for the new dtype or device.
     """
 
@@ -46,7 +48,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
     ):
         super().__init__()
         self.programs, self.spec, self.recipe, self.budget = programs.for_format(recipe.format), spec, recipe, budget
-        self.source, self.latent_moments = source, latent_moments  # the model applied to; SPECTRA's calibration
+        self.source, self.latent_moments = source, latent_moments  # the model applied to; a latent format's calibration
         self.scorer, self.allocator = recipe.build()
         checks.recipe(recipe, self.allocator, budget, spec, page_size)
         checks.scorer_fits(self.scorer, spec)
@@ -54,11 +56,12 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config
         sources = self.scorer.sources() if self.scorer else ()
-        self.reads_question = observation.reads_question(sources)  # FINCH: see ``Steps._read_prompt``
+        self.reads_question = observation.reads_question(sources)  # a ``Question`` source: ``Steps._read_prompt``
         observation.check(sources, f"recipe {recipe.name!r}", programs.layers)
         self.reads_dense = observation.reads_dense(sources)
         if self.reads_dense:
-            checks.dense_pass(recipe, source, prefill_chunk, self.schedule, self.allocator, observation.restores(sources))
+            checks.dense_pass(recipe, source, prefill_chunk, self.schedule, self.allocator,
+                              observation.restores(sources))
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                   page_size=page_size, device=device, keep_ids=observation.keeps_ids(sources),
                                   page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES,
@@ -109,7 +112,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self.context_tokens: Tensor | None = None  # [B] tokens the budget is measured against
         self.decoder: DecodeCompressor | None = None  # the decode schedule's state, from the first decode step on
         self.query_aware: bool | None = None  # how the last compression was made (see cache_stats)
-        self._pending: list[tuple[Tensor, Tensor]] = []  # (ids, real) read since the last compression (KVzip)
+        self._pending: list[tuple[Tensor, Tensor]] = []  # (ids, real) read since the last compression
         self._observing = False  # a prefill(compress=False) left a compression pending: keep observing queries
 
     def _start(self, batch_size: int) -> None:
@@ -239,8 +242,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
     @contextlib.contextmanager
     def observing(self, dense: bool = True):
         """(the cache as the scorer sees it when it compresses, what the dense passes supplied: a dict), with its
-        sources supplied (KVzip's reconstruction of the tokens read since the last compression is prefilled, and
-        dropped on exit; KVgrad's backward pass and KVzap's hidden states, unless not ``dense``)."""
+        sources supplied (a ``Reconstruction`` source's prompt over the tokens read since the last compression is
+        prefilled, and dropped on exit; ``Gradients``' backward pass and ``HiddenStates``, unless not ``dense``)."""
         ids, real = (torch.cat(x, 1) for x in zip(*self._pending)) if self._pending else (None, None)
         rerun = lambda i, r: self._prefill_step(i, r, "prefill_last", compressing=True)  # noqa: E731
         with observation.reconstructing(self.scorer, rerun, self.cache, ids, real, self.source, dense) as supplied:
@@ -259,7 +262,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         """Generate up to ``max_new_tokens`` after ``input_ids``; returns [B, T + new] (input then new tokens).
 
         With ``context_ids``, the context is prefilled and compressed *before* ``input_ids`` (the question) is read,
-        so no ranking can see the question (query-agnostic), except a scorer that ranks by the question (FINCH),
+        so no ranking can see the question (query-agnostic), except a scorer that reads the ``Question`` source,
         which compresses both after the question. Without it, ``input_ids`` itself is compressed after prefill
         (``cache_stats()["query_aware"]`` is then True). Finished rows are padded with ``pad_token_id`` (default:
         the first eos id). With a ``draft`` (another ``CompressedModel`` over the same vocabulary, one sequence),

@@ -4,10 +4,10 @@ A method declares its sources (``methods.sources.Source``: ``Scorer.sources``); 
 source the runtime cannot supply yet (an extra pass with the method's own inputs); ``observe`` builds a layer's
 ``Observation`` from the cache (held keys, values and positions; the ring's queries; the token ids it logs for
 ``ContextTokens``; the caller's segments for ``Segments``) and the layer's weights (``LayerWeights``: W_O, found in
-the graph); ``reconstructing`` runs, around one compression, a ``Reconstruction`` source's prompt (KVzip), with
-``Gradients`` one backward pass over the context and that prompt (KVgrad), and for ``HiddenStates`` one dense
-forward pass over the context (KVzap); ``reads_question`` tells ``generate`` to read the context unobserved and
-compress after the question (FINCH's ``Question``).
+the graph); ``reconstructing`` runs, around one compression, a ``Reconstruction`` source's prompt, with
+``Gradients`` one backward pass over the context and that prompt, and for ``HiddenStates`` one dense forward pass
+over the context; ``reads_question`` tells ``generate`` to read the context unobserved and compress after the
+question (``Question``).
 """
 
 from __future__ import annotations
@@ -17,12 +17,20 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-from .cache import PagedKVCache
-from .methods import Observation
 from .attention_inputs import attention_inputs
+from .cache import PagedKVCache
 from .gradients import attention_output_gradients
+from .methods import Observation
 from .methods.sources import (
-    ContextTokens, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Restore, Segments,
+    ContextTokens,
+    Gradients,
+    HiddenStates,
+    LayerWeights,
+    QueryWindow,
+    Question,
+    Reconstruction,
+    Restore,
+    Segments,
     Source,
 )
 from .restoring import restore
@@ -109,14 +117,15 @@ def _weights(layer: LayerSpec, device) -> dict:
 @contextlib.contextmanager
 def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | None, real: Tensor | None,
                    source: nn.Module | None = None, dense: bool = True):
-    """Around one compression, for the tokens just read (``input_ids``, ``real`` [B, T]): with ``HiddenStates``
-    (and ``dense``), run ``source`` densely over them for each layer's attention input; when ``scorer`` declares a
-    ``Reconstruction``, prefill its prompt with the ring cleared, so the window holds the prompt's queries alone,
-    and afterwards drop the prompt's tokens (``PagedKVCache.drop_from``); ``prefill(ids, real)`` runs one prefill
-    step. With ``Restore`` (and ``dense``), the restore entries are appended first (``restoring``) and stay. Yields a
-    dict: ``"hidden"`` [L, B, P, hidden] (``attention_inputs``), ``"restored"`` ([B] the position of each row's first
-    restore entry, how many per head), and with ``Gradients`` (and ``dense``) ``"gradients"``, the gradient norms [L, B, W] of the window's queries, from one dense backward pass
-    of ``source`` over ``input_ids`` and the prompt. A dense pass replays every token the cache read: checked."""
+    """Around one compression, for the tokens just read (``input_ids``, ``real`` [B, T]): with ``HiddenStates`` (and
+    ``dense``), run ``source`` densely over them for each layer's attention input; when ``scorer`` declares a
+    ``Reconstruction``, prefill its prompt with the ring cleared, so the window holds the prompt's queries alone, and
+    afterwards drop the prompt's tokens (``PagedKVCache.drop_from``); ``prefill(ids, real)`` runs one prefill step. With
+    ``Restore`` (and ``dense``), the restore entries are appended first (``restoring``) and stay. Yields a dict:
+    ``"hidden"`` [L, B, P, hidden] (``attention_inputs``), ``"restored"`` ([B] the position of each row's first restore
+    entry, how many per head), and with ``Gradients`` (and ``dense``) ``"gradients"``, the gradient norms [L, B, W] of
+    the window's queries, from one dense backward pass of ``source`` over ``input_ids`` and the prompt. A dense pass
+    replays every token the cache read: checked."""
     sources = scorer.sources() if scorer is not None and input_ids is not None else ()
     seen, supplied = cache.seen.clone(), {}
     if dense and reads_dense(sources) and not torch.equal(seen, real.sum(1).to(seen)):

@@ -14,8 +14,9 @@ Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -
 slots [L, B, Hkv, T] pool rows for the new tokens and ring_slots [B, T] ring slots (``PagedKVCache.append``);
 page_lw the entries' log-weights, read only ([0, P] for a cache without weighted entries; a new token's row is
 already 0: ``cache.weights``);
-obs_q the ring's queries [L, B, Hq, C, D]; fmt_* the format pool, read only (``cache.formatted``: its format is
-read from its tensors, so one program serves every format). Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
+obs_q the ring's queries [L, B, Hq, C, D]; fmt the format pool, read only, as one list of tensors named and ordered by
+``signature.FORMAT_POOL`` (``cache.formatted``; its format is read from its tensors, so one program serves every
+format). Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
 implementation (CPU, and the oracle in tests); on CUDA the decode attention and the compaction run the Triton
 kernels of ``kvcompile.kernels``; on the CPU a traced decode step reaches the native kernels
 (``kernels.cpu_native``) through the opaque ops ``native_decode``, ``format_attention`` and ``native_linear``.
@@ -23,8 +24,10 @@ kernels of ``kvcompile.kernels``; on the CPU a traced decode step reaches the na
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
+import logging
 import os
 
 import torch
@@ -114,7 +117,7 @@ def _attend(
     q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt, layer,
     scale, window, packed, decode,
 ):
-    stored = reference.FormatPages(*fmt[:5], *(t[layer] for t in fmt[5:]))
+    stored = reference.FormatPages.of_layer(fmt, layer)
     backend = decode_backend() if decode else "auto"
     if backend == "flex":
         _refuse_flex(stored)
@@ -132,7 +135,7 @@ def _attend(
         return out.contiguous()
     if backend == "flex":
         return _flex_decode(args, page_lw)
-    if backend == "auto" and _on_gpu(q) and not stored.decoded:  # SPECTRA's, AnchorKV's rows: PyTorch below
+    if backend == "auto" and _on_gpu(q) and not stored.decoded:  # latent or anchored rows: PyTorch below
         # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
 
@@ -141,7 +144,7 @@ def _attend(
     if not stored.empty:  # no weighted entry lives beside a format pool (refused at apply)
         if not torch.compiler.is_compiling():  # eager: the op's body, without the dispatcher's cost a layer
             return reference.paged_attention(*args, first_page=first_page, stored=stored).contiguous()
-        return format_attention(*args, *stored, -1 if first_page is None else first_page)
+        return format_attention(*args, list(stored), -1 if first_page is None else first_page)
     if backend == "auto" and window == 0 and torch.compiler.is_compiling() and cpu_native.serves(
             q.reshape(q.shape[0], page_table.shape[2], -1, q.shape[-1]), (None, k_pages, None), (None, v_pages, None)):
         return native_decode(*args[:7], page_lw, scale)
@@ -161,19 +164,16 @@ def _first_chunk(q_pos, lengths, stored, window) -> bool:
 @torch.library.custom_op("kvcompile::format_attention", mutates_args=())
 def format_attention(
     q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_table: Tensor,
-    lengths: Tensor, scale: float, window: int, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor,
-    fmt_pos: Tensor, fmt_table: Tensor, fmt_lengths: Tensor, fmt_basis: Tensor, fmt_anchors: Tensor,
-    fmt_residuals: Tensor, first_page: int,
+    lengths: Tensor, scale: float, window: int, stored: list[Tensor], first_page: int,
 ) -> Tensor:
     """A decode step's attention over one layer's two pools on the PyTorch path (``reference.paged_attention`` with
-    ``stored``; ``first_page`` -1: not packed). Opaque to ``torch.compile``: traced, the pool would be one tile (a
-    loop over its width would specialise on it) and every layer's decoding code would be compiled (SmolLM2's first
-    compile ran past 5 minutes); as one call it runs the eager two-pass tiles, which beat Inductor's code for the
-    fused reduction here (``docs/results.md``, "Page formats")."""
-    stored = reference.FormatPages(fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths, fmt_basis,
-                                   fmt_anchors, fmt_residuals)
+    ``stored``, the layer's ``FormatPages`` as a list; ``first_page`` -1: not packed). Opaque to ``torch.compile``:
+    traced, the pool would be one tile (a loop over its width would specialise on it) and every layer's decoding code
+    would be compiled (SmolLM2's first compile ran past 5 minutes); as one call it runs the eager two-pass tiles, which
+    beat Inductor's code for the fused reduction here (``docs/results.md``, "Page formats")."""
     return reference.paged_attention(q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, scale, window,
-                                     first_page=None if first_page < 0 else first_page, stored=stored).contiguous()
+                                     first_page=None if first_page < 0 else first_page,
+                                     stored=reference.FormatPages._make(stored)).contiguous()
 
 
 @format_attention.register_fake
@@ -209,6 +209,20 @@ def _(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+@contextlib.contextmanager
+def _quiet_without_triton():
+    """``triton_op`` looks for Triton kernels in the op's body and logs a warning for every op when Triton is not
+    installed (the default install); nothing is missing then, since the CPU never runs a Triton kernel."""
+    log = logging.getLogger("torch._library.triton")
+    level = log.level
+    if importlib.util.find_spec("triton") is None:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     """Register one attention op; prefill and decode share the contract (and the CPU path), not the kernel.
 
@@ -222,18 +236,15 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     def body(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, lengths: Tensor,
-        obs_q: Tensor, fmt_k: Tensor, fmt_k_meta: Tensor, fmt_v: Tensor, fmt_v_meta: Tensor, fmt_pos: Tensor,
-        fmt_table: Tensor, fmt_lengths: Tensor, fmt_basis: Tensor, fmt_anchors: Tensor, fmt_residuals: Tensor,
-        layer: int, scale: float, window: int,
+        obs_q: Tensor, fmt: list[Tensor], layer: int, scale: float, window: int,
     ) -> Tensor:
-        fmt = (fmt_k, fmt_k_meta, fmt_v, fmt_v_meta, fmt_pos, fmt_table, fmt_lengths, fmt_basis, fmt_anchors,
-               fmt_residuals)
         return _attend(
             q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt,
             layer, scale, window, packed, decode,
         )
 
-    op = register(f"kvcompile::{name}", mutates_args=_MUTATED)(body)
+    with _quiet_without_triton():
+        op = register(f"kvcompile::{name}", mutates_args=_MUTATED)(body)
     EAGER_BODIES[getattr(torch.ops.kvcompile, name).default] = body
     if not decode:  # a triton_op's own body is its fake kernel
 
@@ -246,7 +257,7 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
 
 
 prefill_attention = _attention_op(
-    "prefill_attention", "Append T new tokens per row and attend causally over everything the layer holds -> [B, Hq, T, D].",
+    "prefill_attention", "Append T new tokens per row and attend causally over all the layer holds -> [B, Hq, T, D].",
     decode=False,
 )
 decode_attention = _attention_op(
@@ -255,13 +266,12 @@ decode_attention = _attention_op(
 )
 decode_attention_packed = _attention_op(
     "decode_attention_packed",
-    "``decode_attention`` over a packed cache (``PagedKVCache.packed``): each layer's pages read in place as one slice.",
+    "``decode_attention`` over a packed cache (``PagedKVCache.packed``): each layer's pages read in place, one slice.",
     decode=True, packed=True,
 )
 
 
-@torch.library.triton_op("kvcompile::compact", mutates_args=("k_pages", "v_pages", "page_pos", "page_lw"))
-def compact(
+def _compact(
     k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, keep_idx: Tensor,
     keep_count: Tensor,
 ) -> None:
@@ -271,3 +281,8 @@ def compact(
     if _on_gpu(k_pages):
         from .kernels.triton_compact import compact as move
     move(k_pages, v_pages, page_pos, page_lw, page_table, keep_idx, keep_count)
+
+
+with _quiet_without_triton():
+    compact = torch.library.triton_op("kvcompile::compact", mutates_args=("k_pages", "v_pages", "page_pos",
+                                                                          "page_lw"))(_compact)

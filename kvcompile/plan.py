@@ -41,8 +41,8 @@ class NewEntries:
 
 @dataclass
 class AnchoredEntries:
-    """AnchorKV's encoding of every entry a plan keeps (``kernels.anchored``): rows [L, B, Hkv, K, 2, 3] int16 (each
-    kept entry's key and value row, in ``keep``'s order), anchors [L, 2, B, Hkv, 1 + A, D] and residuals
+    """An anchored format's encoding of every entry a plan keeps (``kernels.anchored``): rows [L, B, Hkv, K, 2, 3]
+    int16 (each kept entry's key and value row, in ``keep``'s order), anchors [L, 2, B, Hkv, 1 + A, D] and residuals
     [L, 2, B, R, W]: the tables the rows decode against."""
 
     rows: Tensor
@@ -58,9 +58,9 @@ class Plan:
     (the rest is ignored); formats [L, B, Hkv, K]: the pool of each kept entry, ``DTYPE_FORMAT`` or
     ``STORED_FORMAT`` (None: each stays where it is; a formatted plan also stores ``new`` in the format); new:
     entries written after the kept ones (None: none). A head then holds ``counts + new.counts`` entries, kept ones
-    first, in their old order. channels [L, B, Hkv, W]: for a page format that drops key channels (ThinK), the
-    ones each head keeps, ascending (None: those it keeps now). anchored: every kept entry as AnchorKV's rows, with
-    their tables (an ``anchor2`` page format; None for any other)."""
+    first, in their old order. channels [L, B, Hkv, W]: for a page format that drops key channels, the ones each
+    head keeps, ascending (None: those it keeps now). anchored: every kept entry as an anchored format's rows, with
+    their tables (``PageFormat.anchored``; None for any other format)."""
 
     keep: Tensor
     counts: Tensor
@@ -82,7 +82,7 @@ class Plan:
         return mask.scatter_reduce(-1, index, live, "amax").bool()
 
     @classmethod
-    def of_mask(cls, kept: Tensor, **fields) -> "Plan":
+    def of_mask(cls, kept: Tensor, **fields) -> Plan:
         """The plan that keeps the ``kept`` [L, B, Hkv, S] entries."""
         return cls(kept_indices(kept), kept.sum(-1), **fields)
 

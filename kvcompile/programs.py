@@ -10,19 +10,18 @@ the generated tokens and the decode-time evictions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 import torch
-from torch import Tensor, fx
-
-from torch import nn
+from torch import Tensor, fx, nn
 
 from . import passes, program_store
 from .cache import PagedKVCache, Step
 from .capture import capture
 from .signature import INPUTS
 from .spec import LayerSpec, ModelSpec
+
 
 @dataclass
 class Programs:
@@ -52,7 +51,7 @@ class Programs:
     _eager_runs: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, model: nn.Module, spec: ModelSpec, store: bool | str = True) -> "Programs":
+    def of(cls, model: nn.Module, spec: ModelSpec, store: bool | str = True) -> Programs:
         """Capture ``model`` (``capture.capture``) and rewrite it, or rebuild both from the disk cache
         (``program_store``; ``store``: True for the default folder, a folder, or False for none). The graph bakes in
         the weights' dtype and device (the model's own casts), so a model moved to another one is captured again."""
@@ -71,7 +70,7 @@ class Programs:
         return programs
 
     @classmethod
-    def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, stream_weights: bool | None = None) -> "Programs":
+    def rewrite(cls, captured: fx.GraphModule, spec: ModelSpec, stream_weights: bool | None = None) -> Programs:
         """The four eager programs of ``captured``; ``stream_weights``: decode's projections as ``streamed_linear``
         (default: on CPU, where it is measured to be faster)."""
         cuda = next(captured.parameters()).device.type == "cuda"
@@ -87,7 +86,7 @@ class Programs:
         return cls._assemble(graphs, info, spec)
 
     @classmethod
-    def _assemble(cls, graphs: dict[str, fx.GraphModule], info: dict, spec: ModelSpec) -> "Programs":
+    def _assemble(cls, graphs: dict[str, fx.GraphModule], info: dict, spec: ModelSpec) -> Programs:
         """Programs over the captured graph and its four rewrites (``info``: what the attention pass found)."""
         captured = graphs["captured"]
         weight = next(captured.parameters())
@@ -104,7 +103,7 @@ class Programs:
         return dict(captured=eager.captured, prefill=eager.prefill, prefill_last=eager.prefill_last,
                     decode=eager.decode, decode_packed=eager.decode_packed)
 
-    def compile(self, backend, page_format: str | None = None) -> "Programs":
+    def compile(self, backend, page_format: str | None = None) -> Programs:
         """These programs through ``torch.compile`` with ``backend`` (``True``: Inductor), made once per backend and
         page format (``for_format``).
 
@@ -131,7 +130,7 @@ class Programs:
                                           decode_packed=decode_packed, compiled=backend)
         return self._variants[key]
 
-    def for_format(self, page_format: str | None) -> "Programs":
+    def for_format(self, page_format: str | None) -> Programs:
         """The variant of these programs that serves caches in ``page_format``. Compiled code specialises on a
         format's code widths and dtypes, so each format gets its own compiled functions: sharing them, the formats
         of one process (a sweep's forks) would pile recompiles onto one function until Dynamo's recompile limit."""
@@ -144,7 +143,8 @@ class Programs:
         cache's layout allows it."""
         if name == "decode" and self.decode_packed is not None and cache.packed():
             name = "decode_packed"
-        ids = input_ids.clone(memory_format=torch.contiguous_format)  # a fresh tensor: marks never stick to the caller's
+        # a fresh tensor: marks never stick to the caller's
+        ids = input_ids.clone(memory_format=torch.contiguous_format)
         args = (ids, step.position_ids, step.q_pos, step.slots, step.ring_slots, *cache.program_tensors())
         if self.compiled is None:
             with torch.no_grad():

@@ -1,5 +1,5 @@
-"""Key re-rotation (kvpress's KeyRerotationPress, FINCH's ``rerotate_keys``; METHODS.md §38): after an eviction,
-every head's kept keys are rotated to contiguous positions, as if the evicted tokens had never been there.
+"""Key re-rotation (kvpress's KeyRerotationPress, ``Recipe.rerotate_keys``; docs/methods_wrappers.md): after an
+eviction, every head's kept keys are rotated to contiguous positions, as if the evicted tokens had never been there.
 
 kvpress moves the m-th kept key of a head to position m and the next query to the cache's length. Here the m-th of
 a head's n kept keys moves to ``seen - n + m``, right before the next query, whose position does not move. RoPE
@@ -26,7 +26,7 @@ def check(spec: ModelSpec, recipe, prefill_chunk: int | None) -> None:
                          "(inv_freq) that kvcompile can read")
     if recipe.decode is not None or prefill_chunk:
         raise ValueError(f"recipe {recipe.name!r} re-rotates keys after its one compression; it cannot be combined "
-                         "with a decode schedule or prefill_chunk (later compressions would rank re-assigned positions)")
+                         "with a decode schedule or prefill_chunk (later compressions would rank moved positions)")
 
 
 def rerotate(cache: PagedKVCache, spec: ModelSpec) -> None:

@@ -1,4 +1,4 @@
-"""The restore pass (RestoreKV, ``methods.sources.Restore``): learned embeddings read the whole cache, once, through
+"""The restore pass (``methods.sources.Restore``): learned embeddings read the whole cache, once, through
 the source model with a LoRA adapter on, and their keys and values become ordinary cache entries.
 
 The captured programs read token ids and know no adapter, so the pass runs the source model (a transformers causal

@@ -7,7 +7,7 @@ step and then every ``every`` steps, ``run``:
 1. lets the policy (``methods.decoding``) fold the queries the decode ops wrote into the observation ring since the
    previous run, and score every held token, layer by layer;
 2. asks the policy how many tokens each head keeps: the cap minus ``every`` (room for the tokens until the next
-   run), so no head ever holds more than the cap (GrowPage shares the sequence's cap unevenly instead);
+   run), so no head ever holds more than the cap (a policy with ``max_share`` > 1 shares the row's cap unevenly);
 3. keeps the protected levels first (recent window > sinks > prompt), then the top scores: one ``plan.Plan``,
    applied by ``PagedKVCache.keep`` (the pool keeps its size), moving the policy's per-token state along; a
    policy that merges (CaM) first folds evicted values into kept ones (``MergingPolicy.merge``);
@@ -69,7 +69,7 @@ class DecodeSchedule:
         """Queries per layer the decode ops must keep in the ring for the policy."""
         return self.build().ring(self.every)
 
-    def fitted(self, cap: int) -> "DecodeSchedule":
+    def fitted(self, cap: int) -> DecodeSchedule:
         """This schedule for a cap of ``cap`` tokens per KV head: ``every`` and ``recent`` scaled down together
         (every >= 1) when every + recent + sinks does not fit under the cap; raises, naming what to change, when
         not even one scored slot fits beside the sinks."""

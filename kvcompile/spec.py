@@ -57,7 +57,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_model(cls, model: nn.Module) -> "ModelSpec":
+    def from_model(cls, model: nn.Module) -> ModelSpec:
         """Read the spec from a transformers config, or from attributes a plain module declares.
 
         A plain module declares ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim`` (and optionally

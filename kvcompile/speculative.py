@@ -1,4 +1,4 @@
-"""Lossless speculative decoding with a compressed draft: inferred (METHODS §52, "memory-augmented drafting", whose
+"""Lossless speculative decoding with a compressed draft: inferred ("memory-augmented drafting", whose
 paper was not found: built as its one-line description says, with the standard speculative sampling rule of
 Leviathan et al. 2023 and Chen et al. 2023).
 
@@ -75,7 +75,7 @@ class Speculation:
             return
         if not isinstance(draft, type(self)) or draft is self:
             raise ValueError("draft must be another CompressedModel, with its own cache (kvcompile.apply(model, "
-                             f"budget=0.1, recipe='snapkv') shares this model's programs), got {type(draft).__name__}")
+                             f"budget=0.1) shares this model's programs), got {type(draft).__name__}")
         checks.positive_int("draft_tokens", draft_tokens)
         if draft.programs.vocab_size != self.programs.vocab_size:
             raise ValueError(f"the draft's vocabulary has {draft.programs.vocab_size} tokens and this model's "

@@ -13,9 +13,6 @@ from torch import Tensor
 from . import observation
 from .compress import check_fits
 from .kernels.formats import get_format
-from .kernels.pruned import PrunedCodec
-from .methods.anchorkv import AnchorKV
-from .methods.think import ThinK
 from .schedule import DecodeCompressor
 
 RESERVE_AHEAD = 64  # tokens of room a plain decode reserves at a time (allocation stays off the step)
@@ -37,7 +34,7 @@ class Steps:
     def _read_prompt(self, input_ids: Tensor, real: Tensor, context_ids: Tensor | None, context_real: Tensor | None,
                      segments: Tensor | None = None):
         """``generate``'s prefill; returns the last logits. The context, when given, is compressed before the question
-        is read. A scorer that reads the ``Question`` (FINCH) instead reads the context unobserved and the question
+        is read. A scorer that reads the ``Question`` source instead reads the context unobserved and the question
         observed, then compresses both, the budget counting both: its window holds the question's queries alone."""
         asks = self.reads_question
         if context_ids is not None:
@@ -60,10 +57,8 @@ class Steps:
     def observation_window(self) -> int:
         """Queries per layer this model reads when it compresses (its scorer's sources) or decodes."""
         scorer = observation.window(self.scorer.sources()) if self.scorer else 0
-        fmt = self.recipe.format and get_format(self.recipe.format)  # ThinK's key channels read queries, AnchorKV's
-        channels = ThinK.window if fmt and isinstance(fmt.key, PrunedCodec) else 0  # anchors and utilities too
-        anchors = AnchorKV.window if fmt and fmt.anchored else 0
-        return max(self.decode_window, scorer, channels, anchors)
+        stored = get_format(self.recipe.format).window if self.recipe.format else 0  # what its encoding reads
+        return max(self.decode_window, scorer, stored)
 
     def _refuse_without_question(self, compressing: bool = True) -> None:
         """Raise, before anything changes, when a scorer that ranks by the question would compress without it."""
@@ -103,7 +98,8 @@ class Steps:
         if self.recipe.format is None:  # nothing to check: no budget is worked out for a prefill that cannot fail
             return
         seen = read if fresh else self.seen + read.to(self.seen)
-        check_fits(self.cache, self.recipe, self.scorer, self.cache.budget_bytes(self.budget, budget_tokens), seen, fresh)
+        check_fits(self.cache, self.recipe, self.scorer, self.cache.budget_bytes(self.budget, budget_tokens),
+                   seen, fresh)
 
     def _refuse_partial_replay(self) -> None:
         """Raise, before anything changes, when a scorer's dense pass (``Gradients``, ``HiddenStates``) could not

@@ -35,6 +35,22 @@ FAMILIES = {
 }
 
 
+def fast_first(values, ids=None) -> list:
+    """Parameters of which the first runs in the fast tier (``pytest -m "not slow"``) and the others only in the
+    full suite: one case of an invariant checked on every change, all of them before a stop."""
+    ids = ids or [None] * len(values)
+    return [pytest.param(v, id=i, marks=() if n == 0 else pytest.mark.slow)
+            for n, (v, i) in enumerate(zip(values, ids))]
+
+
+def fresh_seed() -> int:
+    """A new seed for a test on fresh random inputs, printed (pytest shows it beside a failure); ``KVC_SEED=N``
+    replays that draw."""
+    seed = int(os.environ.get("KVC_SEED", torch.seed() % 2**31))
+    print(f"seed {seed} (replay: KVC_SEED={seed})")
+    return seed
+
+
 def tiny_model(family: str, seed: int = 0, layers: int = 2):
     cls, extra = FAMILIES[family]
     torch.manual_seed(seed)

@@ -18,7 +18,8 @@ def test_the_span_survives_when_each_token_is_kept_by_enough_heads():
     keep[0, :, 3] = False  # position 3: kept by 2 of 4 (layer, head) pairs
     keep[:, 0, 5] = False
     keep[1, 1, 5] = False  # position 5: kept by 1 of 4
-    assert survived(keep, [2, 3], rule=0.5) and not survived(keep, [3, 5], rule=0.5) and not survived(keep, [3], rule=0.75)
+    assert survived(keep, [2, 3], rule=0.5) and not survived(keep, [3, 5], rule=0.5)
+    assert not survived(keep, [3], rule=0.75)
     assert survived(keep, [3, 5], rule=0.25)
     with pytest.raises(ValueError, match="no evidence positions"):
         survived(keep, [])
@@ -43,6 +44,7 @@ def test_labels_are_deterministic_and_all_confident_at_full_budget(tiny):
     assert lost[0]["ids"][0, lost[0]["start"]:].tolist() == encode(tok, " " + REFUSAL) + [tok.eos_token_id]
 
 
+@pytest.mark.slow
 def test_a_short_run_trains_and_reports_served_outcomes(tiny, tmp_path):
     model, tok = tiny
     card = finetune(model, tok, name="tiny", schedule=Schedule(steps=6, batch=2, lr=1e-3, seed=0, checkpoint_every=3),

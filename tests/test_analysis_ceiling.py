@@ -1,4 +1,4 @@
-"""The ceiling analysis (METHODS.md §48) against definitions: brute-force enumeration, hand-built rows, and a tiny
+"""The ceiling analysis against definitions: brute-force enumeration, hand-built rows, and a tiny
 model's own attention probabilities."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_best_subset_strictly_beats_top_mass_where_top_mass_is_suboptimal():
 
 
 def reference_balancing(a, V, s, max_swaps):
-    """§48's balancing selector spelled out with one E evaluation per candidate set."""
+    """The balancing selector spelled out with one E evaluation per candidate set."""
     E = lambda S: float(solve_set(a, V, sorted(S)))  # noqa: E731
     k = max(1, s // 4)
     S = set(a.topk(s - k).indices.tolist())
@@ -148,7 +148,7 @@ def test_certificate_bounds_the_exact_optimum_and_vanishes_over_all_keys():
 
 
 def test_o_is_the_mass_weighted_mean_of_the_subset_outputs():
-    """Why §48's relaxation bound over all keys is 0 (``hyperplane_bound``'s docstring)."""
+    """Why the relaxation bound over all keys is 0 (``hyperplane_bound``'s docstring)."""
     a, V = random_rows(random.SystemRandom().randrange(2**31), 1, 9, 2)
     idx = torch.tensor(list(itertools.combinations(range(9), 4)))
     m = a[0, idx].sum(1)

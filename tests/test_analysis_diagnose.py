@@ -1,4 +1,4 @@
-"""Failure diagnosis (issue 20 item 4, METHODS.md §53, inferred): C->W selection on constructed outcomes, the
+"""Failure diagnosis (issue 20 item 4, inferred): C->W selection on constructed outcomes, the
 evidence boost at factor 1 changes nothing and at factor 4 changes the answer's logits, the sham is count-matched,
 the evidence positions are the answer's tokens; a run and the CLI on the tiny model."""
 

@@ -1,4 +1,4 @@
-"""Answer-evidence gap (issue 20 item 5, METHODS.md §54, inferred): the chain task carries its chain and a
+"""Answer-evidence gap (issue 20 item 5, inferred): the chain task carries its chain and a
 distractor, the probes ask for each fact's source, fact positions are the facts' tokens; a run on the tiny model
 holds the whole chain at full budget and reports the gap as score minus grounded."""
 

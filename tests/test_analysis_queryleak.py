@@ -45,7 +45,8 @@ def test_each_condition_answers_as_the_library_path_it_names(full):
     models = conditions(full, "snapkv", doc, question)
     own = kvcompile.apply(full, budget=0.25, recipe="snapkv")
     for condition, kwargs in (("query-aware", {"input_ids": torch.tensor([doc + question])}),
-                              ("boundary", {"input_ids": torch.tensor([question]), "context_ids": torch.tensor([doc])})):
+                              ("boundary", {"input_ids": torch.tensor([question]),
+                                            "context_ids": torch.tensor([doc])})):
         model, logits = models[condition]
         ours = answer(model, byte_tokenizer(), logits, 6)
         ref = own.generate(**kwargs, max_new_tokens=6)[0, -6:].tolist()

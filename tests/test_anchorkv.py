@@ -1,27 +1,21 @@
-"""AnchorKV (METHODS.md §11): its residual codec within its bound, attention over its rows against the dense oracle,
-and the recipe through the public API: every token held, anchors exact, bytes (tables included) within the budget,
-residuals spent where the budget allows, clear refusals, compiled and eager alike."""
+"""AnchorKV (docs/methods_formats.md#anchorkv): its residual codec within its bound, attention over its rows against the
+dense oracle, and the recipe through the public API: every token held, anchors exact, bytes (tables included) within the
+budget, residuals spent where the budget allows, clear refusals, compiled and eager alike."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fresh_seed, left_padded_batch, tiny_model
+from test_formats import check_attention_over_both, outlier_rows
 
 import kvcompile
-from conftest import left_padded_batch, tiny_model
 from kvcompile.kernels import anchored, reference
 from kvcompile.methods.anchorkv import AnchorKV, nearest
 from kvcompile.methods.base import Observation
 from kvcompile.methods.rope import rotate
 from kvcompile.methods.snapkv import SnapKV
 from kvcompile.recipes import Recipe, get_recipe
-from test_formats import check_attention_over_both, outlier_rows
-
-
-def fresh_seed() -> int:
-    seed = torch.seed() % 2**31
-    print(f"seed {seed}")
-    return seed
 
 
 @pytest.mark.parametrize("D", [16, 64])
@@ -75,7 +69,7 @@ def test_anchors_are_the_newest_then_the_snapkv_top_then_seeded_random():
 
 
 def test_utilities_are_the_formula_term_by_term():
-    """§11's utilities against a loop over queries: keys (attention squared, logit change squared, ||v - y||^2),
+    """AnchorKV's utilities against a loop over queries: keys (attention squared, logit change squared, ||v - y||^2),
     values (attention squared, residual squared), averaged over the group's observed queries."""
     obs = _observation(S=12, W=3, seed=fresh_seed())
     g = torch.Generator().manual_seed(1)
@@ -93,8 +87,8 @@ def test_utilities_are_the_formula_term_by_term():
                     dl = float(obs.queries[0, qh, w] @ rk[0, h, t]) * obs.scale
                     want_k[0, h, t] += a[t] ** 2 * dl**2 * (obs.values[0, h, t] - y).square().sum() / (G * 3)
                     want_v[0, h, t] += a[t] ** 2 * rv[0, h, t].square().sum() / (G * 3)
-    torch.testing.assert_close(u_k, want_k, rtol=1e-4, atol=1e-7)
-    torch.testing.assert_close(u_v, want_v, rtol=1e-4, atol=1e-7)
+    for got, want in ((u_k, want_k), (u_v, want_v)):  # fp32 sums in another order: 1e-5 of the largest term
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
 
 
 def anchored_pool(lengths, P: int, D: int, g: torch.Generator, A: int = 5, R: int = 7):
@@ -234,6 +228,7 @@ def test_anchor_pages_refuse_what_cannot_go_with_them():
         get_recipe("snapkv+anchor2")
 
 
+@pytest.mark.slow
 def test_anchorkv_compiled_generates_what_eager_does_without_recompiling_per_length(llama_cm):
     """The tables are program inputs whose anchor and slot counts vary with the prompt: marked dynamic, so a second
     prompt length reuses the compiled programs."""

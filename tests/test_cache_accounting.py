@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_batch, spelled
+from conftest import fast_first, left_padded_batch, spelled
 
 import kvcompile
 
@@ -43,7 +43,7 @@ def check_accounting(cm):
     return stats
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", fast_first(RECIPES))
 def test_allocated_bytes_are_the_tensors_the_cache_owns_and_near_the_budget(llama_cm, recipe):
     cm = kvcompile.apply(llama_cm, budget=0.25, recipe=spelled(recipe), page_size=4)
     ids, mask = left_padded_batch([160, 120], total=160)

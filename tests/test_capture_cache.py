@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import left_padded_batch, tiny_model
 
 import kvcompile
-from conftest import left_padded_batch, tiny_model
 
 
 @pytest.fixture
@@ -56,6 +56,7 @@ def test_the_graphs_read_the_live_weights_not_stored_ones(tmp_path, exports):
     assert torch.equal(_logits(warm)[0], _logits(fresh)[0])
 
 
+@pytest.mark.slow
 def test_a_change_of_config_or_dtype_captures_again(tmp_path, exports):
     kvcompile.apply(tiny_model("llama"), budget=1.0, recipe="full", capture_cache=tmp_path)
     three_layers = tiny_model("llama", layers=3)
@@ -65,6 +66,7 @@ def test_a_change_of_config_or_dtype_captures_again(tmp_path, exports):
     assert len(exports) == 3 and len(list(tmp_path.iterdir())) == 3
 
 
+@pytest.mark.slow
 def test_off_by_argument_or_environment(tmp_path, exports, monkeypatch):
     model = tiny_model("llama")
     kvcompile.apply(model, budget=1.0, recipe="full", capture_cache=False)
@@ -78,6 +80,7 @@ def test_off_by_argument_or_environment(tmp_path, exports, monkeypatch):
         kvcompile.apply(model, budget=1.0, recipe="full", capture_cache=3)
 
 
+@pytest.mark.slow
 def test_an_entry_naming_a_foreign_target_or_broken_is_captured_again(tmp_path, exports):
     model = tiny_model("llama")
     kvcompile.apply(model, budget=1.0, recipe="full", capture_cache=tmp_path)
@@ -95,6 +98,7 @@ def test_an_entry_naming_a_foreign_target_or_broken_is_captured_again(tmp_path, 
     assert torch.isfinite(_logits(cm)[0]).all()
 
 
+@pytest.mark.slow
 def test_loading_from_the_cache_unpickles_nothing(tmp_path):
     script = (  # a fresh process: the first apply stores, the second loads with every unpickler refusing
         "import pickle, sys, torch, kvcompile\n"

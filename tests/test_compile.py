@@ -13,6 +13,7 @@ import kvcompile
 @pytest.mark.parametrize(
     "recipe, budget, rows", [("adakv-snapkv", 0.5, [48, 30]), ("snapkv", 0.5, [48, 48])], ids=["ragged", "packed"]
 )
+@pytest.mark.slow
 def test_compiled_decode_compiles_once_and_matches_eager(llama_cm, recipe, budget, rows):
     """64 decode steps, lengths changing every step: one decode compilation (of the program the layout picks)."""
     torch._dynamo.reset()
@@ -33,6 +34,7 @@ def test_compiled_decode_compiles_once_and_matches_eager(llama_cm, recipe, budge
         assert len(set(compiled.cache.lengths.flatten().tolist())) > 1, "per-head lengths differ while decoding"
 
 
+@pytest.mark.slow
 def test_compile_traces_into_the_decode_op(llama_cm, monkeypatch):
     """The decode ops are triton_ops: AOT tracing decomposes them into the ops of their body (the Triton kernel on
     CUDA, the reference here), so Inductor sees the attention itself; prefill_attention stays one opaque node. The
@@ -65,6 +67,7 @@ def test_compile_traces_into_the_decode_op(llama_cm, monkeypatch):
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "ragged"])
+@pytest.mark.slow
 def test_compiled_decode_writes_the_pool_in_place(llama_cm, packed):
     """Inductor must write the new token into the pool, not clone the pool (and copy it back) every step: a pool
     written through a view (index_copy_ on k_pages.view(-1, D)) did exactly that. Both decode programs: the packed

@@ -81,6 +81,7 @@ def serve(base, recipe, budget, vocab: int):
 
 
 @pytest.mark.parametrize("recipe, budget", [("adakv-snapkv", 0.5), ("inertiakv", 96)], ids=["ragged", "decode-cap"])
+@pytest.mark.slow
 def test_thirty_prompt_lengths_and_500_decode_steps_compile_decode_once_per_batch_size(long_model, recipe, budget):
     serve(long_model, recipe, budget, VOCAB)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import fast_first, fresh_seed, left_padded_batch
 
 import kvcompile
-from conftest import left_padded_batch
 from kvcompile.kernels import cpu_native
 from kvcompile.kernels.formats import FORMATS, encode_pool
 from kvcompile.kernels.paging import gather_pages
@@ -16,12 +16,6 @@ from kvcompile.kernels.paging import gather_pages
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: the PyTorch path serves")
 
 FORMAT_NAMES = ["int8", "int4", "int3", "int2", "fp8", "kivi2", "kivi4"]
-
-
-def fresh_seed() -> int:
-    seed = torch.seed() % 2**31
-    print(f"seed {seed}")
-    return seed
 
 
 def attended(calls: list, state):
@@ -163,7 +157,7 @@ def test_native_linear_equals_linear(I, O):
     torch.testing.assert_close(got, want, atol=2e-7 * float((x.abs() @ w.abs().t()).max()), rtol=1e-6)
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", fast_first([False, True], ids=["eager", "compiled"]))
 def test_a_batch_one_decode_projects_with_the_native_linear(llama_cm, compiled, monkeypatch):
     """A batch-1 decode step runs its projections on the native one-row projection (eager, and compiled through
     ``ops.native_linear``), with the logits of the PyTorch path; a batch of two does not call it."""

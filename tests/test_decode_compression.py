@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import left_padded_batch, tiny_model
+from conftest import fast_first, left_padded_batch, tiny_model
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvcompile
@@ -47,7 +47,7 @@ def prompt_tokens_held(cm, layer: int) -> torch.Tensor:
     return (valid & (pos < torch.tensor(PROMPTS)[:, None, None])).sum(-1)
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", fast_first(POLICIES))
 def test_flat_bytes_and_protected_prompt_over_2000_sampled_tokens(base, name):
     """Slack: the cap rounded up to whole pages, plus one page per head for GrowPage's uneven heads."""
     cm = kvcompile.apply(base, budget=CAP, recipe=variant(name, prompt=True))
@@ -76,7 +76,7 @@ def test_flat_bytes_and_protected_prompt_over_2000_sampled_tokens(base, name):
 
 
 @pytest.mark.parametrize("budget", [CAP, 0.25], ids=["tokens", "fraction"])
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", fast_first(POLICIES))
 def test_pool_storage_stays_near_the_cap_over_1000_tokens(base, name, budget):
     """The pool tensors themselves, not only the tokens held: within 1.15x the cap plus one page per head (and the
     scratch page), at every step (a fraction cap grows with the tokens read); budget_bytes is the cap on the same

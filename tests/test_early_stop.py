@@ -1,5 +1,6 @@
-"""ReCo's early stop (METHODS §51, inferred): ``generate(early_stop=EarlyStop(tokenizer))`` finishes a row once its
-answer is settled (a repeated step, or a step holding an end-of-answer marker), and changes no token before."""
+"""ReCo's early stop (docs/methods_scorers.md#reco, inferred): ``generate(early_stop=EarlyStop(tokenizer))`` finishes a
+row once its answer is settled (a repeated step, or a step holding an end-of-answer marker), and changes no token
+before."""
 
 from __future__ import annotations
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
-from conftest import FAMILIES, left_padded_batch, tiny_model
+from conftest import FAMILIES, fast_first, left_padded_batch, tiny_model
 
 import kvcompile
 
@@ -37,23 +39,24 @@ def check_greedy_equivalence(model, cm, ids, mask, tol=1e-4):
     return packed
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", fast_first(sorted(FAMILIES)))
 def test_full_budget_matches_model(family):
     model = tiny_model(family)
     cm = kvcompile.apply(model, budget=1.0, recipe="full", page_size=4)
-    ids, mask = left_padded_batch([11, 7, 4], total=11, seed=hash(family) % 1000)
+    ids, mask = left_padded_batch([11, 7, 4], total=11, seed=zlib.crc32(family.encode()) % 1000)
     check_greedy_equivalence(model, cm, ids, mask)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", fast_first(sorted(FAMILIES)))
 def test_full_budget_packed_cache_matches_model(family):
     """Rows of one length: every head equally long, so decode reads the packed pool in place (sliding windows too)."""
     model = tiny_model(family)
     cm = kvcompile.apply(model, budget=1.0, recipe="full", page_size=4)
-    ids, mask = left_padded_batch([10, 10], total=10, seed=hash(family) % 1000)
+    ids, mask = left_padded_batch([10, 10], total=10, seed=zlib.crc32(family.encode()) % 1000)
     assert check_greedy_equivalence(model, cm, ids, mask) == STEPS
 
 
+@pytest.mark.slow
 def test_budget_one_with_compressing_recipe_keeps_everything(llama):
     cm = kvcompile.apply(llama, budget=1.0, recipe="snapkv", page_size=4)
     ids, mask = left_padded_batch([20, 13, 9], total=20)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import byte_llama, byte_tokenizer
-
-import lm_eval  # the test extra installs it: a missing lm-eval fails here instead of skipping
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
@@ -155,3 +153,14 @@ def test_lm_eval_entry_point_adds_the_task_folder(monkeypatch):
     cli.main(["lm-eval", "--model", "kvcompile", "--tasks", "kvc_passkey"])
     assert seen == [["lm-eval", "--model", "kvcompile", "--tasks", "kvc_passkey", "--include_path", str(TASKS_DIR)]]
     assert {p.stem for p in TASKS_DIR.glob("kvc_*.yaml")} == {f"kvc_{name}" for name in TASKS}
+
+
+def test_the_package_declares_its_lm_eval_model_plugin():
+    """``lm_eval --model kvcompile`` through lm-eval's plug-in entry points (``lm_eval.models``), for a release that
+    reads them: the installed package declares the harness's model class there."""
+    from importlib.metadata import entry_points
+
+    from kvcompile.eval.harness import KVCompileLM
+
+    (point,) = [e for e in entry_points(group="lm_eval.models") if e.name == "kvcompile"]
+    assert point.load() is KVCompileLM

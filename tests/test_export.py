@@ -15,13 +15,12 @@ from conftest import left_padded_batch
 
 import kvcompile
 
-
 MINIMA_W8 = dataclasses.replace(kvcompile.recipes()["minima-kv"], name="minima-kv-r8", precise_recent=8)
 KIVI2_W8 = dataclasses.replace(kvcompile.recipes()["kivi2"], name="kivi2-r8", precise_recent=8)
 # every other page format, and the weighted-entry recipes beyond CertKV (one artifact each, about a minute on 2
 # cores; the suite's time limit keeps them out of the default run): KVCOMPILE_LONG=1
-LONG = ["gracekv", "core", "snapkv+int4", "snapkv+fp16", "snapkv+bf16", "snapkv+fp8", "snapkv+int8", "snapkv+int3", "snapkv+int2",
-        "snapkv+k8v4", "snapkv+kivi4", KIVI2_W8, "snapkv+spectra4", "snapkv+think"]
+LONG = ["gracekv", "core", "snapkv+int4", "snapkv+fp16", "snapkv+bf16", "snapkv+fp8", "snapkv+int8", "snapkv+int3",
+        "snapkv+int2", "snapkv+k8v4", "snapkv+kivi4", KIVI2_W8, "snapkv+spectra4", "snapkv+think"]
 
 
 @pytest.mark.parametrize("recipe, budget", [("certkv", 0.5)] + [
@@ -29,13 +28,15 @@ LONG = ["gracekv", "core", "snapkv+int4", "snapkv+fp16", "snapkv+bf16", "snapkv+
     pytest.param(r, 0.5, marks=[pytest.mark.slow, pytest.mark.skipif("KVCOMPILE_LONG" not in os.environ,
                                                                       reason="KVCOMPILE_LONG=1")]) for r in LONG],
     ids=lambda r: str(getattr(r, "name", r)))
+@pytest.mark.slow
 def test_export_load_in_fresh_process_generates_same_tokens(llama_cm, tmp_path, recipe, budget):
     """Over model-dtype pages holding weighted entries (CertKV's summaries; with ``KVCOMPILE_LONG=1`` GraceKV's
     prototypes and CORE's memory too: the log-weight channel is an input of every program, its pages a dimension of
     their own), and over page formats
     (the format pool is an input too): Minima-KV's TQ3 (packed page-local codes, precise anchors, demotion while
-    decoding), AnchorKV's rows (its per-sequence anchor and residual tables two inputs of their own), and with ``KVCOMPILE_LONG=1`` every other format: ThinK's pruned key channels (a per-head channel
-    list), SPECTRA's rows (the basis an input of its own), the row-local integer codes and KIVI's demoting window."""
+    decoding), AnchorKV's rows (its per-sequence anchor and residual tables two inputs of their own), and with
+    ``KVCOMPILE_LONG=1`` every other format: ThinK's pruned key channels (a per-head channel list), SPECTRA's rows
+    (the basis an input of its own), the row-local integer codes and KIVI's demoting window."""
     cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)  # Minima's anchors: 0.5 is too little
     ids, mask = left_padded_batch([40, 25], total=40)
     expected = cm.generate(ids, mask, max_new_tokens=12, eos_token_id=[])
@@ -80,7 +81,8 @@ def check_broken_artifacts(good, tmp_path):
     cases = [
         (drop_key("spec"), ValueError, r"kvcompile.json has no 'spec'"),
         (lambda f: (f / "kvcompile.json").write_text("{not json"), ValueError, r"kvcompile.json is not valid JSON"),
-        (lambda f: (f / "decode.pt2").write_bytes(b"garbage"), ValueError, r"decode.pt2 is not a loadable aoti package"),
+        (lambda f: (f / "decode.pt2").write_bytes(b"garbage"), ValueError,
+         r"decode.pt2 is not a loadable aoti package"),
         (lambda f: (f / "prefill.pt2").unlink(), FileNotFoundError, r"prefill.pt2 is missing"),
         (lambda f: (f / "kvcompile.json").unlink(), FileNotFoundError, r"kvcompile.json is missing"),
     ]

@@ -1,6 +1,6 @@
-"""FastKVzip (``methods.fastkvzip``): the gate computes METHODS.md §33's formula, trains on KVzip targets like KVzap,
-keeps its sinks and newest tokens within the budget, reproduces the model at budget 1.0, and is trained on first use
-through ``apply`` (once; refused when pinned, unknown or turned off)."""
+"""FastKVzip (``methods.fastkvzip``): the gate computes its formula (docs/methods_learned.md#fastkvzip), trains on KVzip
+targets like KVzap, keeps its sinks and newest tokens within the budget, reproduces the model at budget 1.0, and is
+never trained by ``apply`` (refused, naming ``kvcompile train``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from conftest import assert_plain_at_full_budget, left_padded_batch, train_tiny
 from safetensors.torch import load_file
 
 import kvcompile
-from kvcompile import models
 from kvcompile.methods.fastkvzip import Gate
 
 
@@ -58,7 +57,7 @@ def test_the_gate_is_the_formula(seed):
 
 
 def test_zero_sinks_and_bias_give_the_closed_form():
-    """METHODS.md §33: with zero sinks and zero bias, gate = 1 / (1 + n_sinks e^(-k.q / sqrt(rank)))."""
+    """With zero sinks and zero bias, gate = 1 / (1 + n_sinks e^(-k.q / sqrt(rank)))."""
     net = Gate(layers=1, heads=1, group=1, features=8, rank=4, sinks=16, seed=3)
     x = torch.randn(1, 1, 5, 8, generator=torch.Generator().manual_seed(3))
     q = x[0] @ net.wq[0] + net.bq[0]
@@ -116,41 +115,34 @@ def test_budget_one_reproduces_the_model_and_bad_arguments_are_named(tiny_lm, tr
         _recipe(trained[0], recent=1.5).build()
 
 
-def test_missing_weights_are_trained_on_first_use_once(tiny_lm, tmp_path, monkeypatch, capsys):
-    """A model ``load_model`` knows by name gets its gates trained by ``apply``, with a message; the next ``apply``
-    reads them; pinned weights, unknown models, or the switch turned off are refused with the command to run."""
+def test_apply_never_trains_missing_weights_it_names_the_command(tiny_lm, tmp_path, monkeypatch):
+    """Missing gates are refused by ``apply`` with the command that makes them, and nothing is written; once
+    trained (``kvcompile train``), ``apply`` reads them."""
     model, tok = tiny_lm
     monkeypatch.setenv("KVCOMPILE_WEIGHTS", str(tmp_path))
-    monkeypatch.setitem(models.REGISTRY, "tiny-byte-llama", models.REGISTRY["smollm2-135m"])
-    monkeypatch.setattr(models, "load_model", lambda name: (model, tok))
-    recipe = kvcompile.Recipe("fk", "fastkvzip", "global-topk", {"weights": "tiny-byte-llama"})
-
-    monkeypatch.setenv("KVCOMPILE_TRAIN_ON_FIRST_USE", "0")
-    with pytest.raises(FileNotFoundError, match="kvcompile train fastkvzip --model tiny-byte-llama"):
+    recipe = kvcompile.Recipe("fk", "fastkvzip", "global-topk", {"weights": "tiny"})
+    with pytest.raises(FileNotFoundError, match="kvcompile train fastkvzip --model tiny"):
         kvcompile.apply(model, budget=0.5, recipe=recipe)
-    monkeypatch.delenv("KVCOMPILE_TRAIN_ON_FIRST_USE")
-    for refused in ({"weights": "tiny-byte-llama", "sha256": "0" * 64}, {"weights": "nobody"}):
-        with pytest.raises(FileNotFoundError, match="SHA-256|'nobody'"):
-            kvcompile.apply(model, budget=0.5, recipe=kvcompile.Recipe("fk", "fastkvzip", "global-topk", refused))
-    assert not list(tmp_path.glob("*.safetensors"))
+    assert not list(tmp_path.iterdir()), "apply wrote weights"
 
+    train_tiny("fastkvzip", model, tok, tmp_path)
     cm = kvcompile.apply(model, budget=0.5, recipe=recipe, page_size=4)
-    assert "training them now, once" in capsys.readouterr().err
-    assert (tmp_path / "fastkvzip-tiny-byte-llama.safetensors").is_file()
     cm.prefill(*left_padded_batch([120], total=120))
     assert cm.cache_stats()["bytes_held"] <= cm.cache_stats()["budget_bytes"]
-    kvcompile.apply(model, budget=0.5, recipe=recipe, page_size=4)
-    assert "training them now" not in capsys.readouterr().err
 
 
 @pytest.mark.slow
 @pytest.mark.skipif("KVCOMPILE_LONG" not in os.environ, reason="trains the SmolLM2 gates: 8 minutes on 2 cores")
-def test_it_trains_on_first_use_and_runs_by_name_on_smollm2(tmp_path, monkeypatch):
+def test_the_train_command_makes_the_smollm2_gates_and_it_runs_by_name(tmp_path, monkeypatch):
+    from kvcompile.cli import main as cli
     from kvcompile.eval.fidelity import prose_windows
     from kvcompile.methods import learned
 
     monkeypatch.setenv("KVCOMPILE_WEIGHTS", str(tmp_path))
     model, tok = kvcompile.load_model("smollm2-135m")
+    with pytest.raises(FileNotFoundError, match="kvcompile train fastkvzip --model smollm2-135m"):
+        kvcompile.apply(model, budget=0.25, recipe="fastkvzip")
+    cli(["train", "fastkvzip", "--model", "smollm2-135m"])
     cm = kvcompile.apply(model, budget=0.25, recipe="fastkvzip")
     _, card = learned.load("fastkvzip", "smollm2-135m")
     assert card["held_out_spearman"]["trained"] > card["held_out_spearman"]["random_init"] + 0.3

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import left_padded_batch
+from conftest import fresh_seed, left_padded_batch
 from test_ops import filled_cache
 
 import kvcompile
@@ -14,6 +14,7 @@ from kvcompile.kernels import reference
 from kvcompile.kernels.flex import flex_paged_decode
 
 
+@pytest.mark.slow
 def test_flex_decode_backend_generates_as_the_reference(llama_cm, monkeypatch):
     """Ragged heads (AdaKV): the same tokens and, step by step, the same logits as the reference backend."""
     cm = kvcompile.apply(llama_cm, budget=0.5, recipe="adakv-snapkv", page_size=4)
@@ -31,7 +32,7 @@ def test_flex_decode_backend_generates_as_the_reference(llama_cm, monkeypatch):
 
 @pytest.mark.parametrize("window", [0, 7])
 def test_flex_paged_decode_adds_each_entrys_log_weight(window):
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     cache, _, _ = filled_cache([5, 0, 37, 16], P=4, Hq=8, seed=seed)
     g = torch.Generator().manual_seed(seed)
     log_weights = torch.rand(cache.page_pos.shape, generator=g) * 2  # entries standing for 1 to e^2 tokens
@@ -54,6 +55,7 @@ def test_flex_backend_refuses_what_it_cannot_serve(llama_cm, monkeypatch):
         kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", compile=True)
 
 
+@pytest.mark.slow
 def test_flex_backend_compiles_a_few_times_for_many_cache_sizes(llama_cm, monkeypatch):
     """A process that decodes caches of many sizes through flex (here: nine prompt lengths) compiles flex_attention
     a few times, not once per size, and decodes as the reference at every size: compiled per size, the ninth size

@@ -1,5 +1,6 @@
-"""HeadWiseKV / SeqCalib (METHODS §14) and the hybrid-model allocation: a sliding-window layer's tokens that no
-later query can see are evicted first, losslessly, and the budget they leave goes to the global layers."""
+"""HeadWiseKV / SeqCalib (docs/methods_allocators.md#headwisekv) and the hybrid-model allocation: a sliding-window
+layer's tokens that no later query can see are evicted first, losslessly, and the budget they leave goes to the global
+layers."""
 
 from __future__ import annotations
 

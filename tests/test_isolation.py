@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, fast_first, tiny_model
 
 import kvcompile
 
@@ -29,7 +29,7 @@ def clean_and_dirty_batch():
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compile", fast_first([False, True], ids=["eager", "compiled"]))
 def test_one_rows_poison_reaches_no_other_row_nor_a_later_request(value, compile):
     model = poisoned_model(value)
     cm = kvcompile.apply(model, budget=1.0, recipe="full", page_size=4, compile=compile)

@@ -1,5 +1,5 @@
-"""KVpop's stateless scorer (METHODS.md §49) and its training on tiny random models: the future-attention target
-equals dense attention's column sums, labels keep the top share with weights highest at the cut, training lowers
+"""KVpop's stateless scorer (docs/methods_learned.md#kvpop) and its training on tiny random models: the future-attention
+target equals dense attention's column sums, labels keep the top share with weights highest at the cut, training lowers
 the loss, the recipe keeps its window and holds its budget, and budget 1.0 reproduces the model."""
 
 from __future__ import annotations
@@ -9,15 +9,16 @@ import random
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from conftest import assert_plain_at_full_budget, eager_attentions, left_padded_batch, train_tiny
+from safetensors.torch import load_file
 
 import kvcompile
 from kvcompile.calibration import calibration_runner
-from kvcompile.observation import observe
 from kvcompile.methods.decoding import LayerState
 from kvcompile.methods.kvpop import DELAY, KVpopDelayed, delayed_features, lookahead_mass
+from kvcompile.observation import observe
 from kvcompile.train.kvpop import auc, future_mass, labels
+
 
 @pytest.fixture(scope="module")
 def trained(tiny_lm, tmp_path_factory):

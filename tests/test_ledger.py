@@ -1,4 +1,4 @@
-"""The risk ledger (issue 20 item 6, METHODS.md §55, inferred): fields land in their tiers, the certified ones are the
+"""The risk ledger (issue 20 item 6, inferred): fields land in their tiers, the certified ones are the
 cache's own accounting, the dropped mass is 0 when nothing was dropped and matches the window queries' attention
 recomputed by hand; every sweep row carries a ledger, in the store too."""
 

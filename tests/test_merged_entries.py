@@ -174,6 +174,7 @@ def test_full_budget_reproduces_the_model(llama, llama_cm, recipe):
 
 
 @pytest.mark.parametrize("recipe", WEIGHTED)
+@pytest.mark.slow
 def test_weighted_entries_survive_compile_and_a_decode_time_schedule(llama_cm, recipe):
     """Compiled prefill, compression and decode give the eager logits; under a decode-time schedule (the
     ``decoding`` wrapper, every 4 steps) the weighted entries a run keeps keep their log-weights."""

@@ -1,5 +1,5 @@
-"""MetaKV (METHODS §6): predictors fitted on per-prompt results, and the selection rule under latency and memory
-limits."""
+"""MetaKV (docs/methods.md#metakv): predictors fitted on per-prompt results, and the selection rule under latency and
+memory limits."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def rows(n: int = 40) -> list[dict]:
     with many digits, snapkv/0.5 and full always."""
     g = torch.Generator().manual_seed(0)
     out = []
-    for i in range(n):
+    for _ in range(n):
         k, digits = 0.2 + float(torch.rand((), generator=g)), float(torch.rand((), generator=g))
         x = [1.0, k, 10 * digits, 0.5]
         for config, ms, mib in (("full/1", 100, 10), ("snapkv/0.5", 60, 5), ("snapkv/0.2", 40, 2)):

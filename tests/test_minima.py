@@ -7,18 +7,12 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import fresh_seed, left_padded_batch
 
 import kvcompile
-from conftest import left_padded_batch
 from kvcompile.kernels.formats import FORMATS, codec_of
-from kvcompile.kernels.tq3 import fwht
+from kvcompile.kernels.hadamard import fwht
 from kvcompile.recipes import Recipe
-
-
-def fresh_seed() -> int:
-    seed = torch.seed() % 2**31
-    print(f"seed {seed}")
-    return seed
 
 
 def test_fwht_is_orthonormal_and_its_own_inverse():

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from conftest import fresh_seed
 
 import kvcompile  # noqa: F401  (registers torch.ops.kvcompile)
 from kvcompile.cache import PagedKVCache
@@ -46,7 +47,7 @@ def filled_cache(lengths, P=4, D=8, Hq=4, seed=None, shuffle=True, own_held=Fals
     """Kernel inputs for one layer whose heads (1 row) hold ``lengths`` random tokens, each head owning the pages
     of the longest (``own_held``: only the pages it fills, as the cache lays out ragged heads; the rest of its table
     row names page 0): on shuffled pages, or packed ones (consecutive, heads in order). Returns (pages, k, v)."""
-    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    g = torch.Generator().manual_seed(seed if seed is not None else fresh_seed())
     Hkv, n = len(lengths), max(lengths)
     width = -(-n // P)
     ids = torch.arange(1, Hkv * width + 1)
@@ -91,7 +92,7 @@ def test_ragged_decode_by_length_class_matches_dense_attention(lengths, overhead
     classes on small heads); every head's output is its own dense softmax attention."""
     if overhead is not None:
         monkeypatch.setattr(ragged, "CLASS_OVERHEAD", overhead)
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     cache, k, v = filled_cache(lengths, Hq=2 * len(lengths), seed=seed, own_held=True)
     assert len(ragged.page_classes(cache.page_table[0])) > 1, "the case must take the class path"
     q = torch.randn(1, 2 * len(lengths), 1, 8, generator=torch.Generator().manual_seed(seed))
@@ -145,7 +146,7 @@ def _attention_args(T, packed=False):
     empty.setup(1)
     fmt = tuple(getattr(empty, name) for name in FORMAT_TENSORS)  # no format pool: attention skips it
     return (q, kn, vn, qp, slots, ring_slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_lw,
-            cache.page_table, cache.lengths, torch.zeros(1, 1, 4, 2, 8), *fmt, 0, 0.35, 0)
+            cache.page_table, cache.lengths, torch.zeros(1, 1, 4, 2, 8), list(fmt), 0, 0.35, 0)
 
 
 @pytest.mark.parametrize("op, T", [("prefill_attention", 3), ("decode_attention", 1), ("decode_attention_packed", 1)])
@@ -230,7 +231,7 @@ def test_flex_paged_decode_matches_the_reference(shuffle, window):
     equals the reference on fresh random inputs."""
     from kvcompile.kernels.flex import flex_paged_decode
 
-    seed = torch.seed() % 2**31
+    seed = fresh_seed()
     lengths = [5, 0, 37, 16]
     cache, _, _ = filled_cache(lengths, P=4, Hq=2 * len(lengths), seed=seed, shuffle=shuffle)
     q = torch.randn(1, 2 * len(lengths), 1, 8, generator=torch.Generator().manual_seed(seed))

@@ -71,7 +71,8 @@ def test_future_rotation_is_the_mean_of_transformers_rotations(seed):
 
 
 def test_expected_attention_models_pre_rope_queries_moved_to_the_future(seed):
-    """METHODS.md §expected-attention as kvpress computes it, written out from the pre-RoPE queries."""
+    """Expected attention (docs/methods_scorers.md#expected-attention) as kvpress computes it, written out from the
+    pre-RoPE queries."""
     obs, _, q0, cos_sin = rotated_obs(seed)
     n_sink, n_future = 4, 16
     q = q0[:, :, n_sink:].double()  # every observed query is after the sinks but the first 4

@@ -1,11 +1,10 @@
-"""kvpress presses by name (issue 16, part a): each scorer against a plain restatement of its METHODS.md formula
+"""kvpress presses by name (issue 16, part a): each scorer against a plain restatement of its formula
 on fresh random inputs (the seed is printed; TEST_SEED=<seed> replays a failure), a property the section gives,
 then each recipe end to end."""
 
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import random
 
@@ -42,7 +41,7 @@ def cut_tails(obs, lengths):
     return obs
 
 
-# ------------------------------------------------------------------------------- §27 observed-attention
+# ----------------------------------------------------------------------------------- observed-attention
 def visible(obs):
     """[B, Hq, W, S] which observed query sees which key: causal, within the sliding window, held."""
     G = obs.queries.shape[1] // obs.keys.shape[1]
@@ -108,7 +107,7 @@ def test_observed_attention_never_builds_a_query_by_key_tensor():
     assert probe.largest < n * n, f"largest tensor {probe.largest} elements"
 
 
-# ------------------------------------------------------------------------------------------ §29 lagkv
+# ---------------------------------------------------------------------------------------------- lagkv
 def lagkv_reference(keys, values, n, sink, L, cross):
     """(scores, kept) of one head's first n tokens, written out partition by partition."""
     scores, kept = torch.zeros(n), torch.zeros(n, dtype=torch.bool)
@@ -154,7 +153,7 @@ def test_lagkv_keeps_about_as_many_tokens_of_every_scored_partition(seed):
         assert (per_part.amax(0) - per_part.amin(0) <= 1).all(), f"k = {k}: {per_part.flatten(1).T.tolist()}"
 
 
-# --------------------------------------------------------------------- §30 noncausal-attention, leverage-score
+# ------------------------------------------------------------------------- noncausal-attention, leverage-score
 def test_noncausal_attention_matches_chunked_attention_written_out(seed):
     B, Hkv, G, S, C = 2, 2, 2, 21, 8
     obs = cut_tails(make_obs(B=B, Hkv=Hkv, G=G, S=S, seed=seed), [[21, 17], [11, 21]])
@@ -202,7 +201,8 @@ def test_compactor_is_the_blend_of_its_two_components_over_the_tokens_between_it
     obs = make_obs(B=2, S=50, seed=seed)
     compactor = SCORERS["compactor"](chunk=16, seed=seed, blending=0.35)
     core, sink = _without_sinks(obs)
-    parts = 0.35 * SCORERS["leverage-score"](seed=seed).score(core) + SCORERS["noncausal-attention"](chunk=16).score(core)
+    parts = (0.35 * SCORERS["leverage-score"](seed=seed).score(core)
+             + SCORERS["noncausal-attention"](chunk=16).score(core))
     blend = compactor.score(obs)
     free = blend != MAX
     assert free.sum(-1).eq(50 - 8 - 4).all() and torch.equal(free, ~sink)
@@ -225,7 +225,7 @@ def test_compactor_sinks_do_not_move_the_other_tokens_scores(seed):
     torch.testing.assert_close(after[free], before[free], msg=f"seed {seed}")
 
 
-# -------------------------------------------------------------------------------------------- §31 cur
+# ------------------------------------------------------------------------------------------------ cur
 def cur_reference(keys, values, positions, w, how, sinks):
     """One head's scores over its n held tokens: window shares of ||k||^2 and ||v||^2, combined, normalised."""
     def local(x):
@@ -261,7 +261,7 @@ def test_cur_ignores_the_scale_of_a_window_and_ranks_by_kv_energy_without_window
     assert (whole.argsort(-1) == energy.argsort(-1)).all()
 
 
-# --------------------------------------------------------------------------------------- §34 cappress
+# ------------------------------------------------------------------------------------------- cappress
 def cappress_reference(obs, tau, sink, eps):
     """[B, Hq, S] w_j v_j' A^-1 v_j per query head, with A written out and inverted (float64)."""
     B, Hq, _, D = obs.queries.shape

@@ -1,5 +1,5 @@
 """kvpress presses QFilter, FINCH and KVCompose: each against a direct re-statement of its formula on random shapes
-(the seed is in every failure message), the properties METHODS.md states, and end to end through kvcompile.apply
+(the seed is in every failure message), the properties its docs section states, and end to end through kvcompile.apply
 against the plain model's own attention."""
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ def _kill_a_sweep_worker(killed: list) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_ray_grid_resumed_with_a_worker_killed_stores_what_the_local_executor_stores(tmp_path, capsys):
     folder = tmp_path / "tiny"
     byte_llama().save_pretrained(folder)

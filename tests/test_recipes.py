@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 
 import kvcompile
-from kvcompile.recipes import WRAPPERS
 from kvcompile.cli import main as cli
 from kvcompile.eval.sweep import markdown
-from kvcompile.recipes import PROVENANCE, RECIPES, Recipe
+from kvcompile.recipes import PROVENANCE, RECIPES, WRAPPERS, Recipe
 from kvcompile.recipes.fingerprint import check_fingerprints, code_closure, code_roots
 
 PROBE = '''
@@ -76,9 +75,10 @@ def test_name_version_source_and_provenance_are_not_behaviour():
 
 def test_a_changed_helper_or_constant_changes_the_fingerprint(tmp_path):
     base = probe_code(tmp_path, PROBE)
+    # the base class, and what its code and annotations name
     assert set(base) == {"fp_probe.Probe", "fp_probe.helper", "fp_probe.OFFSET", "kvcompile.methods.base.Scorer",
                          "kvcompile.methods.base.Observation", "kvcompile.methods.sources.Source",
-                         "kvcompile.methods.sources.QueryWindow"}  # the base class, and what its code and annotations name
+                         "kvcompile.methods.sources.QueryWindow"}
     assert probe_code(tmp_path, PROBE.replace("return x + OFFSET", "return x - OFFSET")) != base
     assert probe_code(tmp_path, PROBE.replace("OFFSET = 1", "OFFSET = 2")) != base
 
@@ -94,8 +94,8 @@ def test_docstrings_comments_and_formatting_leave_the_fingerprint_alone(tmp_path
 @pytest.mark.parametrize(("helper", "recipes"), [
     ("kvcompile.methods.base.merge_rankings", {"h2o", "sparse-finetune-h2o", "criticalkv", "adakv-criticalkv"}),
     ("kvcompile.methods.base.pooled_rank", {"adakv-snapkv", "adakv-expected-attention", "adakv-criticalkv", "kvzip",
-                                          "kvgrad", "kvcompose", "kvzap", "kvzap-hidden", "fastkvzip", "dms", "dms-decode", "abstain-kvzip",
-                                          "restorekv"}),
+                                          "kvgrad", "kvcompose", "kvzap", "kvzap-hidden", "fastkvzip", "dms",
+                                          "dms-decode", "abstain-kvzip", "restorekv"}),
 ])
 def test_a_shared_helper_is_in_the_code_of_every_recipe_that_uses_it(helper, recipes):
     users = {name for name, r in RECIPES.items() if helper in code_closure(*code_roots(r))}

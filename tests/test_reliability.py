@@ -123,6 +123,7 @@ class Interrupt(Exception):
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
 @pytest.mark.parametrize("recipe, budget", [("snapkv", 0.5), ("inertiakv", 40)])
+@pytest.mark.slow
 def test_an_interrupted_generate_leaves_the_model_usable(llama_cm, recipe, budget):
     """KeyboardInterrupt lands anywhere inside generate (a timer, at several delays); the next call starts clean."""
     cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import left_padded_batch, tiny_model
+from conftest import fresh_seed, left_padded_batch, tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import kvcompile
 from kvcompile.methods.rope import rotate
 from kvcompile.spec import ModelSpec
 
-SEED = int(os.environ.get("KVC_SEED", torch.seed() % 2**31))
+SEED = fresh_seed()
 
 
 def hf_rope(model, x, positions, layer_type=None):

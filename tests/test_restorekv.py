@@ -180,6 +180,7 @@ def _train(model, out):
                     rank=4, lengths=(160,), per_length=3, held_out=1, continuation=16, out=out, progress=False)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_reproduces_itself_and_its_weights_run_by_path(tmp_path):
     model = byte_llama()
     card = _train(model, tmp_path)

@@ -1,5 +1,5 @@
-"""SAKI (METHODS.md §20): the rank-r key index against its specification (Prop. 1's optimum and residual, the
-factored score, exactness at full rank) and its recall report on a model."""
+"""SAKI (docs/methods_formats.md#saki): the rank-r key index against its specification (Prop. 1's optimum and residual,
+the factored score, exactness at full rank) and its recall report on a model."""
 
 from __future__ import annotations
 

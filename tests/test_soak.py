@@ -124,6 +124,7 @@ def soak(bases, calls: int, seed: int, compiled: bool = False, max_len: int = 16
         live[b] = cm
 
 
+@pytest.mark.slow
 def test_soak(bases):
     soak(bases, SOAK_CALLS, seed=int(os.environ.get("KVC_SEED", 1234)))
 

@@ -12,9 +12,10 @@ from conftest import assert_plain_at_full_budget, byte_llama, byte_tokenizer, ti
 from safetensors.torch import load_file
 
 import kvcompile
+import kvcompile.models
 from kvcompile.adapters import Adapter
-from kvcompile.train.loop import Schedule
 from kvcompile.eval.analysis.masked import kept, masking
+from kvcompile.train.loop import Schedule
 from kvcompile.train.sparse_finetune import finetune
 
 
@@ -118,6 +119,7 @@ def test_the_train_command_runs_sparse_finetune_with_its_own_defaults(model, tmp
     from kvcompile.cli import main as cli
 
     monkeypatch.setattr(kvcompile, "load_model", lambda name: (model, byte_tokenizer()))
+    monkeypatch.setitem(kvcompile.models.REGISTRY, "tiny", None)  # a name the command knows (load_model is patched)
     argv = ["train", "sparse-finetune", "--model", "tiny", "--steps", "2", "--lengths", "128", "--per-length", "2",
             "--held-out", "1", "--continuation", "16", "--rank", "2", "--budget", "0.4", "--out", str(tmp_path)]
     assert cli(argv) == 0

@@ -1,5 +1,5 @@
-"""Latent page formats: SPECTRA (METHODS.md §12: the basis against §12's own construction, the bit allocation
-against brute force) and SAKI's keys (§20: the code channels' score energies), rows within their stated bound,
+"""Latent page formats: SPECTRA (the basis against the paper's own construction, the bit allocation
+against brute force) and SAKI's keys (the code channels' score energies), rows within their stated bound,
 attention over latent pages against the dense oracle, and the formats through the public API (calibrated by
 ``apply``, bytes within the budget, forked)."""
 
@@ -9,18 +9,13 @@ import itertools
 
 import pytest
 import torch
+from conftest import assert_head_attends, fresh_seed, left_padded_batch
 
 import kvcompile
-from conftest import assert_head_attends, left_padded_batch
 from kvcompile.kernels import latent, reference
 from kvcompile.methods import saki, spectra
+from kvcompile.methods.moments import Moments
 from kvcompile.methods.rope import rotate
-
-
-def fresh_seed() -> int:
-    seed = torch.seed() % 2**31
-    print(f"seed {seed}")
-    return seed
 
 
 def correlated_rows(n: int, D: int, g: torch.Generator, heads: int = 2) -> torch.Tensor:
@@ -33,8 +28,8 @@ def correlated_rows(n: int, D: int, g: torch.Generator, heads: int = 2) -> torch
 
 
 def test_basis_is_section_12s_factorisation_of_the_projection():
-    """§12 factors k = h W through G = E[hᵀh]: M = G^½ W = U Σ Vᵀ, latent c = h G^-½ U Σ^½. The basis here is
-    built from E[kᵀk] alone: its energies are Σ, and its latent of k is §12's c (up to each channel's sign)."""
+    """SPECTRA factors k = h W through G = E[hᵀh]: M = G^½ W = U Σ Vᵀ, latent c = h G^-½ U Σ^½. The basis here is
+    built from E[kᵀk] alone: its energies are Σ, and its latent of k is SPECTRA's c (up to each channel's sign)."""
     g = torch.Generator().manual_seed(fresh_seed())
     hidden, D, n = 24, 8, 500
     h = torch.randn(n, hidden, generator=g, dtype=torch.float64) @ torch.randn(hidden, hidden, generator=g,
@@ -79,7 +74,7 @@ def test_saki_keys_read_back_exactly_at_full_rank_and_code_errors_cost_their_sco
     keys, queries = correlated_rows(n, D, g), correlated_rows(n, D, g)
     mean = keys.mean(1)
     sigma_k, sigma_q = keys.transpose(-1, -2) @ keys / n, queries.transpose(-1, -2) @ queries / n
-    moments = [spectra.Moments(sigma_k.double(), sigma_k.double(), sigma_q.double(), mean.double())]
+    moments = [Moments(sigma_k.double(), sigma_k.double(), sigma_q.double(), mean.double())]
     codecs = (latent.LatentCodec(4, 8, rotary=True, basis="saki"), latent.LatentCodec(4, 8, basis="identity"))
     basis = latent.model_basis(codecs, moments, (), D)[0]
     k_basis = basis[0]
@@ -138,7 +133,8 @@ def latent_pool(lengths, P: int, D: int, g: torch.Generator):
     sample = correlated_rows(200, D, g, Hkv)
     parts = [spectra.basis(x.transpose(-1, -2) @ x / 200, 4, 16) for x in (sample, sample.flip(-1))]
     freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D)
-    basis = torch.stack([latent.layout(parts[0].up, parts[0].widths, freq), latent.layout(parts[1].up, parts[1].widths)])
+    basis = torch.stack([latent.layout(parts[0].up, parts[0].widths, freq),
+                         latent.layout(parts[1].up, parts[1].widths)])
     page_pos = torch.zeros(N, P, dtype=torch.int32)
     for h in range(Hkv):
         page_pos[ids[0, h]] = torch.arange(width * P).int().view(width, P)
@@ -175,8 +171,8 @@ def test_attention_over_latent_pages_equals_dense_attention_over_the_decoded_row
         assert_head_attends(out, q, q_pos, h, Hq // len(lengths), *heads[h], window, tol=1e-4)
     if T == 1 and window == 0:
         for tile in (1, P, 10**6):
-            torch.testing.assert_close(reference.stored_decode(q, reference.gather_dense(*pool), stored, 0.3, tile), out,
-                                       atol=1e-4, rtol=1e-4)
+            got = reference.stored_decode(q, reference.gather_dense(*pool), stored, 0.3, tile)
+            torch.testing.assert_close(got, out, atol=1e-4, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------- through the public API

@@ -1,4 +1,4 @@
-"""Speculative decoding with a compressed draft (``generate(..., draft=...)``, METHODS §52, inferred): the output is
+"""Speculative decoding with a compressed draft (``generate(..., draft=...)``, inferred): the output is
 the target's own, greedy token for token and sampled in distribution, and both caches end as if nothing had been
 drafted."""
 

@@ -1,5 +1,6 @@
-"""Steps as retention units (METHODS §51, inferred): ``segments=`` (validation, rules), the step tasks, and
-``stepkv`` / ``commitkv`` / ``reco`` against their specifications, on tiny models and constructed observations."""
+"""Steps as retention units (docs/methods_scorers.md#steps-as-retention-units, inferred): ``segments=`` (validation,
+rules), the step tasks, and ``stepkv`` / ``commitkv`` / ``reco`` against their specifications, on tiny models and
+constructed observations."""
 
 from __future__ import annotations
 
@@ -101,7 +102,7 @@ def test_spans_leave_their_gaps_as_segments_and_generate_takes_segments(byte_ful
 # ------------------------------------------------------------------------------------------ stepkv
 @pytest.mark.parametrize("name", STEP_RECIPES)
 def test_a_budget_of_whole_steps_keeps_no_partial_step(byte_full, name):
-    """§51's test: 8 equal steps, a budget of 3 of them per head keeps 3 whole steps in every head."""
+    """A budget of whole steps: 8 equal steps, a budget of 3 of them per head keeps 3 whole steps in every head."""
     cm = kvcompile.apply(byte_full, budget=3 * SIZE, recipe=small_window(name), page_size=1)
     cm.prefill(prompt(), segments=list(range(0, 64, SIZE)))
     for held in held_sets(cm):
@@ -195,7 +196,7 @@ def test_commitkv_retires_a_consumed_step_first_and_keeps_the_first_and_current_
 
 
 def test_reco_with_a_constant_reward_is_stepkv(byte_full):
-    """§51's test, through the public API: the same held positions at every budget."""
+    """ReCo with a constant reward is StepKV, through the public API: the same held positions at every budget."""
     ids = prompt(seed=4)
     for budget in (10, 19, 33):
         held = []

@@ -10,10 +10,10 @@ import os
 import subprocess
 import sys
 
+import lm_eval
 import pytest
 from conftest import byte_llama, byte_tokenizer, stored_rows
 
-import lm_eval
 from kvcompile import cli
 from kvcompile.eval import report
 from kvcompile.eval.store import Store
@@ -34,6 +34,7 @@ def _config(out) -> dict:
     return json.loads(path.read_text())["config"]["kvcompile"]
 
 
+@pytest.mark.slow
 def test_samples_land_in_the_store_and_a_torchrun_pair_stores_the_samestored_rows(tmp_path, capsys):
     folder = tmp_path / "tiny"
     byte_llama().save_pretrained(folder)

@@ -1,6 +1,6 @@
-"""DuoAttention (METHODS §37) and SimLayerKV (§36): heads and layers judged local by their structure keep exactly
-their sinks and recent tokens, and the budget they leave goes to the others. The statistics against plain loops on
-random inputs; the kept positions end to end on a tiny llama."""
+"""DuoAttention and SimLayerKV (docs/methods_allocators.md#heads-that-stream): heads and layers judged local by their
+structure keep exactly their sinks and recent tokens, and the budget they leave goes to the others. The statistics
+against plain loops on random inputs; the kept positions end to end on a tiny llama."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""TaskPress (inferred, METHODS §19): a meta-query's attention times each value's int4 quantization step."""
+"""TaskPress (inferred, docs/methods_scorers.md#taskpress): a meta-query's attention times each value's int4
+quantization step."""
 
 from __future__ import annotations
 

@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_head_attends, fresh_seed, left_padded_batch
 
 import kvcompile
-from conftest import assert_head_attends, left_padded_batch
 from kvcompile.kernels import reference
 from kvcompile.kernels.formats import FORMATS, FloatCodec, PageFormat, PrunedCodec, codec_of
 from kvcompile.methods.base import Observation
 from kvcompile.methods.think import ThinK
 from kvcompile.recipes import Recipe
-
-
-def fresh_seed() -> int:
-    seed = torch.seed() % 2**31
-    print(f"seed {seed}")
-    return seed
 
 
 def random_channels(n: int, D: int, W: int, g: torch.Generator) -> torch.Tensor:

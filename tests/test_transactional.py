@@ -1,6 +1,6 @@
-"""Transactional Attention's TA-Fast (METHODS §59, inferred): anchors sponsor the value after them out of a share
-of the budget; against plain-Python references of the span rule and of the share, then end to end on a byte-level
-model, where each character is one token."""
+"""Transactional Attention's TA-Fast (docs/methods_scorers.md#ta-fast, inferred): anchors sponsor the value after them
+out of a share of the budget; against plain-Python references of the span rule and of the share, then end to end on a
+byte-level model, where each character is one token."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from conftest import assert_plain_at_full_budget, byte_llama, byte_tokenizer, left_padded_batch
 
 import kvcompile
-from kvcompile.methods.transactional import find_anchors, sponsor_first, spans
+from kvcompile.methods.transactional import find_anchors, spans, sponsor_first
 from kvcompile.recipes import anchors, compose
 
 FILLER = "The grass is green. The sky is blue. Here we go. "

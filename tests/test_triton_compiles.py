@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("triton.backends.nvidia", reason="triton's NVIDIA backend is not installed")
 
 
+@pytest.mark.slow
 def test_triton_kernels_compile_for_sm90():
     script = Path(__file__).with_name("triton_compile_check.py")
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(Path(__file__).parents[1])}

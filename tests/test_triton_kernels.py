@@ -215,8 +215,8 @@ def compact_case(seed, dtype, P, D, K):
     lengths = special_and_zipf_lengths(B * Hkv, P, cap=70).view(B, Hkv)
     MAXP = (int(lengths.max()) + P - 1) // P + 1
     K = K or MAXP * P
-    k_pages, v_pages, page_pos, page_table = make_cache(lengths, P, D, MAXP, dtype,
-                                                        positions=lambda b, h, L: 1000 * (b * Hkv + h) + torch.arange(L))
+    k_pages, v_pages, page_pos, page_table = make_cache(
+        lengths, P, D, MAXP, dtype, positions=lambda b, h, L: 1000 * (b * Hkv + h) + torch.arange(L))
     page_lw = torch.randn(page_pos.shape, device=DEVICE)  # a weighted cache's log-weights move with their rows
     keep_idx, keep_count = keep_sets(lengths, K)
     return lengths, (k_pages, v_pages, page_pos, page_lw, page_table), keep_idx.to(DEVICE), keep_count.to(DEVICE)
@@ -227,7 +227,8 @@ def compact_case(seed, dtype, P, D, K):
 def test_compact_moves_kept_rows_only(seed, dtype, P, D, K):
     """Kept rows land at the front of their head; every other pool row (past keep_count, other heads' pages,
     page 0, spare pages) is bit-identical to before. K is smaller than most lengths, so sources lie past K."""
-    lengths, (k_pages, v_pages, page_pos, page_lw, page_table), keep_idx, keep_count = compact_case(seed, dtype, P, D, K)
+    case = compact_case(seed, dtype, P, D, K)
+    lengths, (k_pages, v_pages, page_pos, page_lw, page_table), keep_idx, keep_count = case
     before = [t.clone() for t in (k_pages, v_pages, page_pos, page_lw)]
     compact(k_pages, v_pages, page_pos, page_lw, page_table, keep_idx, keep_count)
 
@@ -241,7 +242,8 @@ def test_compact_moves_kept_rows_only(seed, dtype, P, D, K):
             for old, new in zip(before, want):
                 new[table[dst // P], dst % P] = old[table[src // P], src % P]
     msg = f"seed={seed} dtype={dtype} lengths={lengths.tolist()} keep_count={keep_count.tolist()}"
-    for name, got, exp in zip(("k_pages", "v_pages", "page_pos", "page_lw"), (k_pages, v_pages, page_pos, page_lw), want):
+    got_all = (k_pages, v_pages, page_pos, page_lw)
+    for name, got, exp in zip(("k_pages", "v_pages", "page_pos", "page_lw"), got_all, want):
         assert torch.equal(got, exp), f"{name} differs; {msg}"
 
 
@@ -293,7 +295,8 @@ def test_decode_reads_format_pages_in_registers(seed, name, P):
                                                         positions=lambda b, h, L: 100 + torch.arange(L))
     stored_lengths = special_and_zipf_lengths(B * Hkv, P, cap=40).view(B, Hkv)
     SMAXP = (int(stored_lengths.max()) + P - 1) // P + 1
-    sk, sv, spos, stable = make_cache(stored_lengths, P, D, SMAXP, torch.float32, positions=lambda b, h, L: torch.arange(L))
+    sk, sv, spos, stable = make_cache(stored_lengths, P, D, SMAXP, torch.float32,
+                                      positions=lambda b, h, L: torch.arange(L))
     kc, km = encode_pool(fmt.key, sk.cpu())
     if name == "think":
         g = torch.Generator().manual_seed(seed)

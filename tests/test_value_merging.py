@@ -1,6 +1,6 @@
-"""kvpress's MergingPress as the ``merging`` wrapper (METHODS.md section 47): evicted values folded into the most
-similar kept entry, against a direct restatement of the specification, then by name end to end (its budget, generation
-and full-budget checks are ``test_wrappers``' composed-recipe tests)."""
+"""kvpress's MergingPress as the ``merging`` wrapper (docs/methods_wrappers.md#merging): evicted values folded into the
+most similar kept entry, against a direct restatement of the specification, then by name end to end (its budget,
+generation and full-budget checks are ``test_wrappers``' composed-recipe tests)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _compressed(recipe, shared):
 
 def test_merging_keeps_the_base_selection_and_keys_and_merges_values_as_specified(llama_cm):
     """``merging+snapkv`` keeps what SnapKV keeps, with the same keys, positions and bytes; each kept value is
-    section 47's merge of the evicted ones into it; a threshold of 1 merges nothing."""
+    the wrapper's merge of the evicted ones into it; a threshold of 1 merges nothing."""
     shared = kvcompile.apply(llama_cm, budget=1.0, recipe="snapkv", page_size=4)
     shared.prefill(*left_padded_batch([96, 70], total=96), compress=False)
     before = [shared.cache.dense(layer) for layer in range(3)]
@@ -77,7 +77,7 @@ def test_merging_keeps_the_base_selection_and_keys_and_merges_values_as_specifie
     stats = merging.cache_stats()
     assert stats["bytes_held"] == base.cache_stats()["bytes_held"] <= stats["budget_bytes"]
     assert stats["recipe"] == "merging+snapkv@3"
-    for (k0, v0, p0, ok0), (k1, v1, p1, ok1), (k, v, p, ok) in zip(before, plain, merged):
+    for (k0, v0, p0, ok0), (k1, _, p1, ok1), (k, v, p, ok) in zip(before, plain, merged):
         assert torch.equal(k, k1) and torch.equal(p, p1) and torch.equal(ok, ok1), "keys and positions as the base's"
         kept = ok0 & (p0[..., :, None] == p1[..., None, :]).logical_and(ok1[..., None, :]).any(-1)
         want = spec_merge(k0, v0, ok0, kept, 0.0, 1.0)

@@ -126,7 +126,8 @@ def test_composed_is_the_second_press_on_what_the_first_kept(seed):
     first = SCORERS["knorm"]().score(obs)[0]
     for h in range(2):
         survivors = top(first[h], 20)
-        alone = dataclasses.replace(obs, valid=obs.valid & torch.isin(torch.arange(40), torch.tensor(sorted(survivors))))
+        survive = torch.isin(torch.arange(40), torch.tensor(sorted(survivors)))
+        alone = dataclasses.replace(obs, valid=obs.valid & survive)
         then = SCORERS["snapkv"](**snap).score(alone)[0, h].masked_fill(~alone.valid[0, h], float("-inf"))
         for k in (1, 5, 12, 20):
             assert top(scores[h], k) == top(then, k), f"seed {seed}, head {h}, k {k}"

@@ -3,8 +3,9 @@
 
 Triton's interpreter runs a kernel as Python, so it accepts kernels its compiler rejects (statements after an
 early ``return`` in a constexpr branch are still built by the compiler: found on a GPU, where the decode failed
-to compile for every dtype; and Inductor types scalars its own way, see ``compile_only``). Here the launches go through Triton's real front end and backend, with a stand-in
-driver that names the target and launches nothing; CPU tensors stand in for device memory.
+to compile for every dtype; and Inductor types scalars its own way, see ``compile_only``). Here the launches go
+through Triton's real front end and backend, with a stand-in driver that names the target and launches nothing;
+CPU tensors stand in for device memory.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Byte accounting of the paged cache: every tensor it owns, what each holds, and the peaks since ``setup``.
 
 ``bytes_held`` is the K/V payload of the pages that hold tokens, in both pools (page rounding, a page format's
-scales and zero points, AnchorKV's anchors and residuals, and a weighted cache's log-weights included: what budgets
-bound);
+scales and zero points, an anchored format's anchors and residuals, and a weighted cache's log-weights included:
+what budgets bound);
 ``bytes_allocated`` is every byte of every tensor the cache owns, broken down into payload, free pages (the rest of
 the pool: the scratch page, reserved room), positions, tables (page tables, lengths, counters) and the observation
 ring. A test walks the cache object and checks the breakdown sums to what it really allocated.
@@ -14,9 +14,11 @@ import torch
 from torch import Tensor
 
 from ..kernels.formats import get_format
-from .formatted import FORMAT_TENSORS
 
-FORMAT_KINDS = ("pages", "pages", "pages", "pages", "positions", "tables", "tables", "tables", "pages", "pages")
+# what each format-pool tensor holds, for ``breakdown``
+FORMAT_KINDS = {"fmt_k": "pages", "fmt_k_meta": "pages", "fmt_v": "pages", "fmt_v_meta": "pages",
+                "fmt_pos": "positions", "fmt_table": "tables", "fmt_lengths": "tables", "fmt_basis": "tables",
+                "fmt_anchors": "pages", "fmt_residuals": "pages", "fmt_channels": "tables"}
 
 
 class ByteAccounting:
@@ -52,7 +54,7 @@ class ByteAccounting:
 
     def bytes_held(self) -> Tensor:
         """[B] bytes of K/V pages holding tokens, per sequence, both pools (page rounding included), and of the
-        tables their rows decode against (AnchorKV's, ``table_bytes``)."""
+        tables their rows decode against (``cache.anchored``, ``table_bytes``)."""
         held = self.pages_held().sum(dim=(0, 2)) * self.page_bytes + self.table_bytes()
         return held + self.pages_held(self.fmt_lengths).sum(dim=(0, 2)) * self.stored_page_bytes
 
@@ -76,8 +78,7 @@ class ByteAccounting:
             "n_pages": (self.n_pages, "tables"), "seen": (self.seen, "tables"),
             "token_ids": (self.token_ids, "tables"), "segment_starts": (self.segment_starts, "tables"),
             "ring.queries": (self.ring.queries, "ring"), "ring.positions": (self.ring.positions, "ring"),
-            **{name: (getattr(self, name), kind) for name, kind in zip(FORMAT_TENSORS, FORMAT_KINDS)},
-            "fmt_channels": (self.fmt_channels, "tables"),
+            **{name: (getattr(self, name), kind) for name, kind in FORMAT_KINDS.items()},
         }
 
     def breakdown(self, held: int | None = None) -> dict[str, int]:
@@ -117,7 +118,7 @@ class ByteAccounting:
     def format_stats(self) -> dict[str, dict]:
         """Per pool (the model's dtype, the page format): entries held, and the bytes of their pages as codes,
         scales and zero points ("meta"), log-weights ("weights", a weighted cache's), positions, and of the tables
-        they decode against ("tables": AnchorKV's anchors and residuals)."""
+        they decode against ("tables": ``cache.anchored``'s anchors and residuals)."""
         held = {str(self.dtype).removeprefix("torch."): (self.lengths, self.k_pages, self.v_pages, None, None,
                                                          self.page_lw if self.weighted else None, self.page_pos)}
         if self.page_format is not None:

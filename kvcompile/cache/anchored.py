@@ -1,7 +1,7 @@
-"""AnchorKV's tables (``kernels.anchored``): per sequence, each head's anchors and each layer's coded residuals, which
-the rows of an ``anchor2`` format pool decode against. Written only by ``keep``, from a plan that carries them
-(``Plan.anchored``, which ``kvcompile.anchoring`` makes); a row's tables count in its ``bytes_held`` once it stores
-format entries.
+"""An anchored format's tables (``kernels.anchored``): per sequence, each head's anchors and each layer's coded
+residuals, which the rows of an anchored format pool (``PageFormat.anchored``) decode against. Written only by
+``keep``, from a plan that carries them (``Plan.anchored``, which ``kvcompile.anchoring`` makes); a row's tables count
+in its ``bytes_held`` once it stores format entries.
 
     fmt_anchors    [L, 2, B, Hkv, 1 + A, D] fp32  (before any compression: A = 2, so a traced program sees no 1)
     fmt_residuals  [L, 2, B, R, D / 4 + 2] uint8  (R = 2 likewise; a plan may hold none)
@@ -22,11 +22,11 @@ MIN_SLOTS = 2
 
 
 class AnchorTables:
-    """AnchorKV's table state and its one writer (mixed into ``PagedKVCache`` through ``FormatPool``)."""
+    """The anchored format's table state and its one writer (mixed into ``PagedKVCache`` through ``FormatPool``)."""
 
     @property
     def anchored(self) -> bool:
-        """Whether the page format is AnchorKV's (its rows decode against these tables)."""
+        """Whether the page format is anchored (its rows decode against these tables)."""
         return self.page_format is not None and get_format(self.page_format).anchored
 
     def _empty_anchor_tables(self, batch_size: int) -> None:
@@ -38,13 +38,13 @@ class AnchorTables:
                                          device=dev)
 
     def table_bytes(self) -> Tensor:
-        """[B] bytes of AnchorKV's tables each row holds: all of its tables once it stores format entries."""
+        """[B] bytes of the anchored tables each row holds: all of its tables once it stores format entries."""
         B = self.batch_size
         per_row = (self.fmt_anchors.nbytes + self.fmt_residuals.nbytes) // max(B, 1)
         return (self.fmt_lengths.sum(dim=(0, 2)) > 0).long() * per_row
 
     def _keep_anchored(self, plan: Plan) -> Plan:
-        """Store every entry ``plan`` keeps as the AnchorKV row it carries, with its tables; return the plan of the
+        """Store every entry ``plan`` keeps as the anchored row it carries, with its tables; return the plan of the
         model-dtype pool, which then holds nothing."""
         L, B, Hkv = plan.counts.shape
         K = plan.keep.shape[-1]

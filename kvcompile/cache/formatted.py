@@ -10,10 +10,10 @@ Layout (one pool for all layers, as the model-dtype one)::
     fmt_table               : [L, B, Hkv, W'] logical format page i of head (l, b, h) -> page of this pool
     fmt_lengths             : [L, B, Hkv] entries head (l, b, h) holds in this pool
     fmt_channels            : [L, B, Hkv, W] the key channels each head keeps, for a format that drops some
-                                          (ThinK's ``PrunedCodec``; W = 0 for any other): what its pages list
+                                          (``kernels.pruned.PrunedCodec``; W = 0 for any other): what its pages list
     fmt_basis               : [L, 2, Hkv, 2D + 3, D] the model's basis of latent rows (``kernels.latent``;
                                           [L, 0, ...] for any other format), set with the format
-    fmt_anchors, fmt_residuals : AnchorKV's per-sequence tables (``anchored``; empty for any other format)
+    fmt_anchors, fmt_residuals : an anchored format's per-sequence tables (``anchored``; empty for any other format)
 
 A head's entries, in logical order, are its format entries then its model-dtype entries (``lengths``), so the plans
 of every method index one list (``dense``). The pool is written only by ``keep``: compression encodes the kept
@@ -29,16 +29,16 @@ import torch
 from torch import Tensor
 
 from ..kernels import latent, reference
-from ..kernels.formats import PrunedCodec, codec_of, encode_pool, get_format
 from ..kernels.anchored import AnchorCodec
+from ..kernels.formats import PrunedCodec, codec_of, encode_pool, get_format
 from ..kernels.latent import LatentCodec
 from ..plan import DTYPE_FORMAT, STORED_FORMAT, Plan
+from ..signature import FORMAT_POOL
 from .anchored import AnchorTables
 from .precision import PrecisePositions
 
 MIN_PAGES = 2  # pages of a format pool at least: the scratch page and a spare
-FORMAT_TENSORS = ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta", "fmt_pos", "fmt_table", "fmt_lengths", "fmt_basis",
-                  "fmt_anchors", "fmt_residuals")
+FORMAT_TENSORS = tuple(i.name for i in FORMAT_POOL)
 
 
 class FormatPool(PrecisePositions, AnchorTables):
@@ -77,7 +77,7 @@ class FormatPool(PrecisePositions, AnchorTables):
 
     def set_format(self, page_format: str | None, basis: Tensor | None = None) -> None:
         """Store later compressions in ``page_format`` (a ``fork`` to a recipe of another format); refused while
-        entries are stored in the current one. ``basis``: the model's latent basis, which a SPECTRA format needs
+        entries are stored in the current one. ``basis``: the model's latent basis, which a latent format needs
         (``kernels.latent.model_basis``)."""
         if page_format != self.page_format and self.format_used:
             raise ValueError(f"this cache holds {self.page_format} pages; a recipe storing "
@@ -105,9 +105,7 @@ class FormatPool(PrecisePositions, AnchorTables):
 
     def format_pages(self, layer: int) -> reference.FormatPages:
         """Layer ``layer``'s view of the format pool, as attention reads it."""
-        return reference.FormatPages(self.fmt_k, self.fmt_k_meta, self.fmt_v, self.fmt_v_meta, self.fmt_pos,
-                                     self.fmt_table[layer], self.fmt_lengths[layer], self.fmt_basis[layer],
-                                     self.fmt_anchors[layer], self.fmt_residuals[layer])
+        return reference.FormatPages.of_layer([getattr(self, name) for name in FORMAT_TENSORS], layer)
 
     @property
     def format_used(self) -> bool:
@@ -145,7 +143,7 @@ class FormatPool(PrecisePositions, AnchorTables):
     def _keep_formatted(self, plan: Plan) -> Plan:
         """Lay the format pool out anew with the entries ``plan`` keeps in the page format (stored ones moved as
         bytes, model-dtype ones encoded, then a formatted plan's ``new`` entries, encoded) and return the plan of
-        what stays in the model-dtype pool, in that pool's own indices (an AnchorKV plan: ``_keep_anchored``)."""
+        what stays in the model-dtype pool, in that pool's own indices (an anchored plan: ``_keep_anchored``)."""
         if plan.anchored is not None:
             return self._keep_anchored(plan)
         P, D = self.page_size, self.head_dim
@@ -184,7 +182,8 @@ class FormatPool(PrecisePositions, AnchorTables):
         return Plan(keep_d.clamp_max(max(int(self.lengths.max()) - 1, 0)), theirs.sum(-1), new=new)
 
     def _fmt_rows(self) -> tuple[Tensor, ...]:
-        return tuple(getattr(self, name) for name in FORMAT_TENSORS[:5])
+        """The pool's per-page tensors (codes, metadata, positions), by their names in ``signature.FORMAT_POOL``."""
+        return tuple(getattr(self, i.name) for i in FORMAT_POOL if not i.per_layer)
 
     def _parts(self):
         """(codes, meta, codec) of keys, then of values."""

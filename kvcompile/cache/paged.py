@@ -39,11 +39,13 @@ from torch import Tensor, nn
 from .. import ops
 from ..kernels import reference
 from ..plan import NewEntries, Plan
+from ..signature import CACHE_NAMES
 from .accounting import ByteAccounting
 from .formatted import FORMAT_TENSORS, FormatPool
 from .pages import MIN_WIDTH, PagePool
 from .ring import QueryRing
 from .weights import WeightChannel
+
 
 @dataclass
 class Step:
@@ -218,8 +220,8 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
         self._note(held=True)
 
     def drop_from(self, seen: Tensor) -> None:
-        """Forget every held token at position >= ``seen`` [B] and rewind to it (what KVzip's reconstruction
-        appended). Kept tokens are in position order, so those are each head's tail."""
+        """Forget every held token at position >= ``seen`` [B] and rewind to it (what a ``Reconstruction``
+        source's prompt appended). Kept tokens are in position order, so those are each head's tail."""
         views = map(self.dense, range(self.num_layers))
         counts = torch.stack([(valid & (pos < seen[:, None, None])).sum(-1) for *_, pos, valid in views])
         keep = torch.arange(max(int(counts.max()), 1), device=self.device).expand(*counts.shape, -1)
@@ -295,6 +297,6 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
                                                            self.page_table[layer], self.lengths[layer]))
 
     def program_tensors(self) -> tuple[Tensor, ...]:
-        """The tensors a program reads and writes, in the calling convention's order (``programs.CACHE_INPUTS``)."""
-        return (self.k_pages, self.v_pages, self.page_pos, self.page_lw, self.page_table, self.lengths,
-                self.ring.queries, *(getattr(self, name) for name in FORMAT_TENSORS))
+        """The tensors a program reads and writes, named and ordered by the calling convention
+        (``signature.CACHE_NAMES``; ``obs_q`` is the observation ring's queries)."""
+        return tuple(self.ring.queries if name == "obs_q" else getattr(self, name) for name in CACHE_NAMES)

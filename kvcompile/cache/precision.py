@@ -1,5 +1,5 @@
 """Which entries a format recipe keeps in the model's dtype: each row's newest tokens (``precise_recent``) and, with
-``precise_anchors``, every few pages of positions (Minima-KV's anchor pages), read from the positions the cache
+``precise_anchors``, every few pages of positions (anchor pages), read from the positions the cache
 holds; the rest live in the page format (``formatted``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ..kernels import reference
 def precise_positions(pos: Tensor, seen: Tensor, window: int, anchors: int, page_size: int) -> Tensor:
     """True at the positions ``pos`` (-1: no entry) a format recipe keeps in the model's dtype once their row has read
     ``seen`` tokens (broadcast against ``pos``): the ``window`` newest and, with ``anchors``, those of every
-    ``anchors``-th page of ``page_size`` positions from 0 (Minima-KV's anchor pages)."""
+    ``anchors``-th page of ``page_size`` positions from 0 (anchor pages)."""
     keep = (pos >= 0) & (pos >= seen - window) if window else torch.zeros_like(pos, dtype=torch.bool)
     return keep | (pos >= 0) & ((pos // page_size) % anchors == 0) if anchors else keep
 

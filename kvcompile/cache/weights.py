@@ -1,10 +1,10 @@
 """The weight channel of the paged cache: a log-weight per pool row, for recipes that write weighted entries.
 
 An entry with log-weight ``log w`` stands for w tokens with its key: attention adds ``log w`` to its logit, so it
-gets w times the mass of a plain token (CertKV's tail summary). The channel is ``page_lw`` [N, P] float32, beside
-``page_pos`` and moved with it (written by ``keep`` alone, compacted, renumbered, zeroed past each head's length),
-allocated only for a cache made ``weighted`` (the recipe writes weighted entries); otherwise it is [0, P], and
-attention, which selects its path from that shape, never reads it. A new token's row is zero (the isolation
+gets w times the mass of a plain token (a summary, ``plan.NewEntries``). The channel is ``page_lw`` [N, P] float32,
+beside ``page_pos`` and moved with it (written by ``keep`` alone, compacted, renumbered, zeroed past each head's
+length), allocated only for a cache made ``weighted`` (the recipe writes weighted entries); otherwise it is [0, P],
+and attention, which selects its path from that shape, never reads it. A new token's row is zero (the isolation
 invariant), which is log-weight 0: weight 1. Its bytes are part of every page of a weighted cache (``page_bytes``).
 Weighted entries live in the model-dtype pool only; a page format beside them is refused at ``apply``.
 """

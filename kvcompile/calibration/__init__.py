@@ -57,7 +57,8 @@ def cached_calibration(kind: str, model, token_ids: Tensor, params: dict, comput
     """``compute()`` (a JSON-able list) once per (model weights, ``token_ids``, ``params``), then read back from
     ``$KVCOMPILE_CALIBRATION`` or ``~/.cache/kvcompile/calibration``: a model is measured once, not per run."""
     if model.programs.captured is None:
-        raise ValueError("calibration needs a CompressedModel built by kvcompile.apply, not one loaded from an artifact")
+        raise ValueError("calibration needs a CompressedModel built by kvcompile.apply, not one loaded from "
+                         "an artifact")
     weights = [t.double().sum() for t in model.programs.captured.state_dict().values()]
     key = hashlib.sha256(repr((kind, model.spec, params, token_ids.tolist())).encode())
     key.update(torch.stack(weights).cpu().numpy().tobytes())

@@ -1,6 +1,6 @@
-"""SeqCalib, HeadWiseKV's calibration (METHODS §14): each KV head's window level, chosen layer by layer in
-execution order under the aggregate budget, each layer measured with the lower layers already holding only their
-chosen windows (``methods.headwisekv``)."""
+"""SeqCalib, HeadWiseKV's calibration (docs/methods_allocators.md#headwisekv): each KV head's window level, chosen layer
+by layer in execution order under the aggregate budget, each layer measured with the lower layers already holding only
+their chosen windows (``methods.headwisekv``)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def calibrate(model, samples: list[Tensor], budgets, levels=LEVELS, sinks: int =
     (``window_error``); the layer then gets the remaining budget over the remaining layers, spent greedily on the
     level upgrades that remove the most error per token. A token a sliding-window layer cannot see costs nothing.
     Budgets are chosen smallest first, each from the previous one's windows upward, so windows are monotone in the
-    budget. Inferred: the criterion, the greedy split and the per-layer share (METHODS §14 is a summary)."""
+    budget. Inferred: the criterion, the greedy split and the per-layer share (the paper was read as a summary)."""
     fractions = sorted(float(b) for b in budgets)
     if not fractions or not all(0.0 < b <= 1.0 for b in fractions):
         raise ValueError(f"budgets must be fractions in (0, 1], got {budgets!r}")

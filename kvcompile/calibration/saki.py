@@ -1,5 +1,6 @@
-"""SAKI's calibration and recall report (``methods.saki``; METHODS.md §20): each (layer, KV head)'s pre-RoPE query
-and key moments from a model's own prefill, and the top-k recall of its rank-r index against key PCA at equal rank.
+"""SAKI's calibration and recall report (``methods.saki``; docs/methods_formats.md#saki): each (layer, KV head)'s
+pre-RoPE query and key moments from a model's own prefill, and the top-k recall of its rank-r index against key PCA at
+equal rank.
 
 The paper's protocol, here: calibrate on some text, then on other text take the last ``n_queries`` queries of
 each head, score every key they may see (causal) exactly and through the index (pre-RoPE key, mapped, rotated back
@@ -12,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..methods.saki import LowRankKeys, key_pca, moments, saki, topk_recall
 from ..methods.rope import rotate
+from ..methods.saki import LowRankKeys, key_pca, moments, saki, topk_recall
 from . import prefill_heads, unrotated
 
 

@@ -28,9 +28,9 @@ from tqdm import tqdm
 import kvcompile
 
 from ..methods import Observation
+from ..model import CompressedModel
 from ..observation import observe
 from ..recipes import Recipe, get_recipe
-from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question
 from .oracle import future_attention
 from .store import cell_keys

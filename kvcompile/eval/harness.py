@@ -33,9 +33,10 @@ import kvcompile
 
 from ..model import CompressedModel
 from .decoding import greedy, ids_tensor, read_question, streamed_log_likelihood
-from .uor import compress_measuring_uor
 from .ranks import DataParallel
 from .synthetic import SEPARATOR
+from .uor import compress_measuring_uor
+
 
 @register_model("kvcompile")
 class KVCompileLM(DataParallel, TemplateLM):

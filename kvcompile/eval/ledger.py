@@ -1,5 +1,5 @@
-"""The risk ledger of one compressed request (issue 20 item 6; METHODS.md §55, witprobe, INFERRED: the paper was not
-found; the tiers are the method notes' reading of its abstract, kept to what a sweep cell can state).
+"""The risk ledger of one compressed request (issue 20 item 6; witprobe, INFERRED: the paper was not
+found; the tiers are our reading of its description, kept to what a sweep cell can state).
 
 Each claim the sweep makes about a cell is filed under one tier:
 
@@ -7,9 +7,9 @@ Each claim the sweep makes about a cell is filed under one tier:
   the bytes held and allocated, whether the bytes held fit the budget (None at full budget: no budget in bytes),
   the tokens held;
 - ``bounded``: valid for the queries compression observed (the context's last ``window`` queries), extrapolated
-  to later ones: the attention mass those queries put on the entries compression dropped (D(S) of §48, which
-  bounds their output error by D(S) x max ||v_i - v_j||): its largest and mean value over layers, query heads
-  and queries (None for a recipe that observes no queries, e.g. StreamingLLM: nothing is bounded there);
+  to later ones: the attention mass those queries put on the entries compression dropped (D(S) of the ceiling
+  analysis, which bounds their output error by D(S) x max ||v_i - v_j||): its largest and mean value over layers,
+  query heads and queries (None for a recipe that observes no queries, e.g. StreamingLLM: nothing is bounded there);
 - ``empirical``: measured on this one sample only: score, KL, top-1 agreement, UOR.
 
 The sweep writes the ledger beside every row (the store's ``ledger`` column, JSON), with its own values of the

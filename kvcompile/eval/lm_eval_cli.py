@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -24,36 +26,72 @@ def main(argv: list[str] | None = None) -> int:
     """Run lm-eval's command line with the kvcompile model registered and the kvcompile tasks included."""
     from lm_eval.__main__ import cli_evaluate
 
-    args, store = _take_store(list(sys.argv[1:] if argv is None else argv))
+    try:
+        args, store = split(list(sys.argv[1:] if argv is None else argv))
+    except ValueError as e:  # ``kvcompile lm-eval`` refuses it before it calls here: this is ``-m kvcompile.eval``
+        print(f"kvcompile.eval: {e}", file=sys.stderr)
+        return 2
     if args and not {"-h", "--help", "--include_path"} & set(args):
         args += ["--include_path", str(TASKS_DIR)]
-    if store and _option(args, "--model") != "kvcompile":
-        raise SystemExit(f"--store writes the kvcompile model's results; got --model {_option(args, '--model')}")
     sys.argv = ["lm-eval", *args]
     with _storing(store) if store else nullcontext():
         cli_evaluate()
     return 0
 
 
-def _take_store(args: list[str]) -> tuple[list[str], str | None]:
-    """``args`` without ``--store PATH`` (or ``--store=PATH``), and the path."""
+def split(args: list[str]) -> tuple[list[str], str | None]:
+    """lm-eval's arguments and the ``--store PATH`` (or ``--store=PATH``) taken out of them; ValueError for a
+    ``--store`` without a path, or with a model other than kvcompile's."""
+    store = None
     for i, a in enumerate(args):
         if a == "--store":
             if i + 1 == len(args):
-                raise SystemExit("--store needs a path: --store results.sqlite")
-            return args[:i] + args[i + 2 :], args[i + 1]
+                raise ValueError("--store needs a path: --store results.sqlite")
+            args, store = args[:i] + args[i + 2 :], args[i + 1]
+            break
         if a.startswith("--store="):
-            return args[:i] + args[i + 1 :], a.split("=", 1)[1]
-    return args, None
+            args, store = args[:i] + args[i + 1 :], a.split("=", 1)[1]
+            break
+    model = values(args, "--model", "-M")[:1]
+    if store and model != ["kvcompile"]:
+        raise ValueError(f"--store writes the kvcompile model's results; got --model {model[0] if model else None}")
+    return args, store
 
 
-def _option(args: list[str], name: str) -> str | None:
-    for i, a in enumerate(args):
-        if a == name and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
-    return None
+def values(args: list[str], *names: str) -> list[str]:
+    """The words given to the option ``names`` (its spellings): those after it up to the next option, and the
+    value of ``NAME=VALUE``, in order."""
+    found, taking = [], False
+    for a in args:
+        if a.startswith("-"):
+            taking = a in names
+            found += [a.split("=", 1)[1] for name in names if a.startswith(name + "=")]
+        elif taking:
+            found.append(a)
+    return found
+
+
+def pairs(args: list[str], *names: str) -> dict[str, str]:
+    """The ``key=value`` pairs given to the option ``names`` (``--model_args``), as text: words of
+    ``key=value,key=value``, or a JSON object."""
+    found = {}
+    for word in values(args, *names):
+        if word.lstrip().startswith("{"):
+            try:
+                found.update({k: str(v) for k, v in json.loads(word).items()})
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{names[0]}: {word} is not a JSON object ({e})") from e
+        else:
+            found.update(item.split("=", 1) for item in word.split(",") if "=" in item)
+    return found
+
+
+def task_names() -> set[str]:
+    """The kvcompile tasks' names and tags (``kvc_*``), as their YAML files declare them."""
+    names = set()
+    for path in TASKS_DIR.glob("*.yaml"):
+        names.update(re.findall(r"^(?:task:|\s*-)\s*(kvc_\w+)\s*$", path.read_text(), re.MULTILINE))
+    return names
 
 
 @contextmanager

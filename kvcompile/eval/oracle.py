@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 
 from ..cache import PagedKVCache
-from ..observation import observe
 from ..methods.base import Observation, Scorer, register_scorer
+from ..observation import observe
 
 
 @register_scorer("oracle")

@@ -35,7 +35,8 @@ def _aggregate(cell: dict, samples: list[dict]) -> dict:
     p99 = [s["kl_p99"] for s in ok if s["kl_p99"] is not None]
     cell.update(provenance=samples[-1]["provenance"], n=len(ok), score=_mean(ok, "score"),
                 bytes_held_mean=_mean(ok, "bytes_held"), bytes_allocated_mean=_mean(ok, "bytes_allocated"),
-                bytes_full_mean=_mean(ok, "bytes_full"), uor=_mean(ok, "uor"), wall_s=sum(s["wall_s"] or 0.0 for s in samples),
+                bytes_full_mean=_mean(ok, "bytes_full"), uor=_mean(ok, "uor"),
+                wall_s=sum(s["wall_s"] or 0.0 for s in samples),
                 kl_mean=_mean(ok, "kl_mean", "kl_tokens"), top1=_mean(ok, "top1", "kl_tokens"),
                 kl_p99=max(p99) if p99 else None, query_aware=any(aware) if aware else None,
                 error=errors[-1] if errors else None)
@@ -60,7 +61,8 @@ def table(cells: list[dict]) -> list[str]:
         aware = "-" if c["query_aware"] is None else "yes" if c["query_aware"] else "no"
         lines.append(f"| {c['task']} | {c['recipe']}@{c['version']} | {c['fingerprint']} | {c['provenance']} | "
                      f"{c['budget']} | {c['n']} | {fmt(c['score'], '.2f')} | {fmt(kib, '.0f')} | "
-                     f"{fmt(c['held_fraction'], '.3f')} | {fmt(c['uor'], '.2f')} | {c['wall_s']:.1f} | {fmt(c['kl_mean'], '.3f')} | "
+                     f"{fmt(c['held_fraction'], '.3f')} | {fmt(c['uor'], '.2f')} | {c['wall_s']:.1f} | "
+                     f"{fmt(c['kl_mean'], '.3f')} | "
                      f"{fmt(c['kl_p99'], '.2f')} | {fmt(c['top1'], '.2f')} | {aware} | {c['error'] or ''} |")
     return lines
 
@@ -71,9 +73,9 @@ def markdown(rows: list[dict]) -> str:
     for (model, length, form), part in _sections(cells(rows)).items():
         seeds = sorted({r["seed"] for r in rows if (r["model"], r["length"], r["format"]) == (model, length, form)})
         out += [f"## {model} @ {length} tokens, {form}", "",
-                f"Seeds {', '.join(map(str, seeds))}; n: samples that succeeded. Bytes: K/V pages held per request "
-                "after compressing the context; wall: seconds per cell (all samples; a sweep's shared prefill excluded, "
-                "lm-eval's prefills included).",
+                f"Seeds {', '.join(map(str, seeds))}; n: samples that succeeded. Bytes: K/V pages held per "
+                "request after compressing the context; wall: seconds per cell (all samples; a sweep's shared "
+                "prefill excluded, lm-eval's prefills included).",
                 "", *table(part), ""]
     return "\n".join(out)
 

@@ -22,15 +22,15 @@ from tqdm import tqdm
 
 import kvcompile
 
-from ..budget import Budget
 from .. import observation
-from ..recipes import Recipe, anchors, compose, get_recipe
+from ..budget import Budget
 from ..model import CompressedModel
+from ..recipes import Recipe, anchors, compose, get_recipe
 from . import ledger, report
 from .decoding import answer, encode, ids_tensor, read_question
 from .fidelity import next_token_metrics, summarize
-from .store import VALUES, Store, cell_keys
 from .step_tasks import task_segments
+from .store import VALUES, Store, cell_keys
 from .synthetic import get_task, make_sample
 from .uor import held_uor
 
@@ -125,7 +125,8 @@ class Sweeper:
     def __init__(self, cm: CompressedModel, tokenizer, cells: list, *, length: int, seed: int, kl: bool, model: str,
                  ledger_mass: bool = True):
         cells = [(anchors.resolve(r, tokenizer), b) for r, b in cells]  # TA's anchors as this tokenizer's ids
-        self.tokenizer, self.cells, self.length, self.seed, self.kl, self.model = tokenizer, cells, length, seed, kl, model
+        self.tokenizer, self.cells, self.length, self.seed, self.kl, self.model = (
+            tokenizer, cells, length, seed, kl, model)
         self.ledger_mass = ledger_mass
         self.base = shared_base(cm, cells)
 
@@ -165,7 +166,8 @@ def shared_base(cm: CompressedModel, cells: list) -> CompressedModel:
     """A full-budget model of ``cm`` that keeps, when it prefills with ``compress=False``, the queries of the widest
     observation window any of the (recipe, budget) ``cells`` reads, so each cell can fork it and compress."""
     built = [m for m in (_applied(cm, r, b) for r, b in cells) if m is not None]  # a SPECTRA cell's is calibrated
-    shared = Recipe("shared-prefill", "snapkv", scorer_args={"window": max([m.observation_window for m in built] + [1])})
+    shared = Recipe("shared-prefill", "snapkv",
+                    scorer_args={"window": max([m.observation_window for m in built] + [1])})
     if any(_reads_ids(r) for r, _ in cells):  # a TA sponsoring nothing: the same, and it logs the token ids
         shared = compose("ta-fast", shared, anchors=[])
     calibrated = next((m for m in built if m.latent_moments is not None), cm)  # every fork inherits its basis
@@ -244,7 +246,7 @@ def _applied(cm: CompressedModel, recipe, budget) -> CompressedModel | None:
 
 def _reads_ids(recipe) -> bool:
     """Whether a cell reads the context's token ids (``ContextTokens``); False for one that cannot be built yet (bad
-    parameters, or weights ``apply`` will train on first use: ``kvcompile.first_use``)."""
+    parameters, or learned weights not trained yet: ``kvcompile train``)."""
     try:
         scorer, _ = recipe.build()
     except (ValueError, FileNotFoundError):
@@ -275,7 +277,8 @@ def markdown(result: dict, model: str = "") -> str:
     lines = [f"{model} @ {cfg['length']} tokens, {cfg['n_samples']} samples per task, seed {cfg['seed']}, "
              "query-agnostic (context compressed before the question is read). Bytes: K/V pages held per request "
              "after compressing the context; UOR: the scorer's union-overhead ratio at the share it kept; wall: "
-             "seconds per cell (compress + answer, all samples), the shared prefill excluded.", "", *report.table(result["rows"])]
+             "seconds per cell (compress + answer, all samples), the shared prefill excluded.", "",
+             *report.table(result["rows"])]
     lines += ["", f"Shared prefill: {t['shared_prefill_s']:.1f} s for {t['contexts']} contexts, cells "
               f"{t['cells_s']:.1f} s."]
     if t.get("separate_contexts"):

@@ -15,7 +15,7 @@ import random
 import re
 import string
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from .samples import Sample, Task
 from .step_tasks import STEP_TASKS
@@ -122,7 +122,7 @@ def _passkey(rng: random.Random, n: int, depth: float | None = None) -> Sample:
 
 def _credential(rng: random.Random, n: int) -> Sample:
     """A ``password: <8 characters>`` line at a random depth of an ``n``-line service log: a dormant credential
-    behind an anchor (Transactional Attention's case, METHODS §59), asked for after the log."""
+    behind an anchor (Transactional Attention's case, docs/methods_scorers.md#ta-fast), asked for after the log."""
     secret, depth, start = "".join(rng.choices(string.ascii_letters + string.digits, k=8)), rng.random(), rng.random()
     words, at = _words(), round(depth * n)
     lines = [f"[{i:05d}] service {words[round(start * len(words) + 7 * i) % len(words)]} ok" for i in range(n)]

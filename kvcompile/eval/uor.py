@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ..methods import Observation, Scorer

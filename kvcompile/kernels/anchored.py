@@ -1,7 +1,7 @@
-"""AnchorKV's rows (METHODS.md §11, ``methods.anchorkv``): a stored token is its nearest anchor scaled, plus, where
-compression chose to refine it, a 2-bit residual. A row holds three int16: the anchor's index in its head's anchor
-table, the scale gamma (fp16 bits) and the slot of its residual in its layer's residual arena (-1: none). Rows
-mean nothing without their sequence's tables, which the cache holds beside the pool (``cache.anchored``) and
+"""AnchorKV's rows (``methods.anchorkv``, docs/methods_formats.md#anchorkv): a stored token is its nearest anchor
+scaled, plus, where compression chose to refine it, a 2-bit residual. A row holds three int16: the anchor's index in its
+head's anchor table, the scale gamma (fp16 bits) and the slot of its residual in its layer's residual arena (-1: none).
+Rows mean nothing without their sequence's tables, which the cache holds beside the pool (``cache.anchored``) and
 attention reads with it (``FormatPages.anchors``, ``FormatPages.residuals``), per layer:
 
     anchors    [2, B, Hkv, 1 + A, D] fp32, keys then values: row 0 the RoPE inverse frequencies (zero-padded to D;
@@ -10,11 +10,11 @@ attention reads with it (``FormatPages.anchors``, ``FormatPages.residuals``), pe
     residuals  [2, B, R, D / 4 + 2] uint8: a coded residual per slot (the layer's heads share them): D 2-bit codes,
                then the fp16 scale's two bytes; R <= ``MAX_SLOTS``
 
-Residual codec (§11: randomized Hadamard, 2-bit Lloyd-Max codebook for a Gaussian): y = H(s * r) with fixed random
-signs s, orthonormal, so its coordinates are near-Gaussian with variance ||r||^2 / D; each is coded by the 4-level
-Lloyd-Max quantizer of a unit Gaussian at the scale sigma = ||r|| / sqrt(D). §11 says "per-token absmax scaling";
-which scale feeds a Gaussian codebook is not given there, so the RMS is inferred. Rows are row-local: they move
-between pages as bytes, their tables staying put; only compression encodes them (``kvcompile.anchoring``).
+Residual codec (AnchorKV's: randomized Hadamard, 2-bit Lloyd-Max codebook for a Gaussian): y = H(s * r) with fixed
+random signs s, orthonormal, so its coordinates are near-Gaussian with variance ||r||^2 / D; each is coded by the
+4-level Lloyd-Max quantizer of a unit Gaussian at the scale sigma = ||r|| / sqrt(D). The source says "per-token absmax
+scaling"; which scale feeds a Gaussian codebook is not given there, so the RMS is inferred. Rows are row-local: they
+move between pages as bytes, their tables staying put; only compression encodes them (``kvcompile.anchoring``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..methods.anchorkv import AnchorKV
 from ..methods.rope import rotate
+from .hadamard import fwht
 from .packing import pack, unpack
-from .tq3 import fwht
 
 LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)  # Lloyd-Max, 4 levels, unit Gaussian
 THRESHOLDS = (-0.9816, 0.0, 0.9816)
@@ -41,6 +42,7 @@ class AnchorCodec:
     """Keys' or values' rows: 6 bytes a row, no page metadata (keys are the part whose anchors sit before RoPE)."""
 
     page_local = False
+    window = AnchorKV.window  # observed queries the choice of anchors and utilities reads
 
     def row_bytes(self, head_dim: int) -> int:
         return 6

@@ -68,7 +68,7 @@ def _plan(q: Tensor, keys: tuple, values: tuple) -> tuple[int, int, int, int] | 
 def serves(q: Tensor, keys: tuple, values: tuple) -> bool:
     """Whether the native decode reads these pools for q [B, Hkv, G, D] on the CPU. ``keys``, ``values``: (codec,
     codes [N, P, W], meta) of each, codec None for fp32 pages (meta None). Served: fp32 pages, integer rows
-    (``IntCodec``, groups of a multiple of 16 channels), float8 rows, KIVI's per-channel keys with integer
+    (``IntCodec``, groups of a multiple of 16 channels), float8 rows, per-channel keys (``ChannelCodec``) with integer
     values; up to 8 query rows per KV head and 256 rows a page."""
     return _plan(q, keys, values) is not None
 

@@ -6,8 +6,9 @@ A ``BlockMask`` built from the page table says which 128-token flex blocks a hea
 lies in block (p * P) // 128, so one block covers 8 consecutive pool pages, which may belong to different heads;
 within a block a ``mask_mod`` keeps the rows the head owns and holds (``owner``, ``index`` per pool page, from the
 page table, built once per page-table change). A packed cache (each head's pages consecutive) reads about
-held / 128 blocks per head; a shuffled one up to one block per page. Positions enter as a mask too: with a sliding window, rows more than ``window`` positions
-behind the query are masked. The reference (``reference.paged_attention``) is the oracle.
+held / 128 blocks per head; a shuffled one up to one block per page. Positions enter as a mask too: with a sliding
+window, rows more than ``window`` positions behind the query are masked. The reference
+(``reference.paged_attention``) is the oracle.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""One layer's format pool as attention reads it: entries stored in a page format (``formats``; SPECTRA's rows with
-their basis, ``latent``; AnchorKV's with their sequence's tables, ``anchored``), decoded a tile of pages at a time
+"""One layer's format pool as attention reads it: entries stored in a page format (``formats``; latent rows with
+their basis, ``latent``; anchored rows with their sequence's tables, ``anchored``), decoded a tile of pages at a time
 where they are read."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..signature import FORMAT_POOL
 from . import anchored, cpu_native, latent
 from .formats import codec_of
 from .paging import gather_pages
@@ -18,8 +19,8 @@ class FormatPages(NamedTuple):
     """One layer's format pool (``kvcompile.cache``): codes and metadata of keys and values [N, P, W] and
     [N, P, M] ([N, 1, M] for a page-local codec), in the format ``formats.codec_of`` reads from them; positions
     [N, P], page table [B, Hkv, W'], lengths [B, Hkv]; ``basis``: the layer's latent basis [2, Hkv, 2D + 3, D] when
-    the pool holds SPECTRA's rows (``latent``), else None or empty; ``anchors`` [2, B, Hkv, 1 + A, D] and
-    ``residuals`` [2, B, R, W] the layer's AnchorKV tables when it holds AnchorKV's rows (``anchored``), else None
+    the pool holds latent rows (``latent``), else None or empty; ``anchors`` [2, B, Hkv, 1 + A, D] and
+    ``residuals`` [2, B, R, W] the layer's tables when it holds anchored rows (``anchored``), else None
     or empty. A head's entries live in its format pages and its model-dtype pages: attention reads both."""
 
     k: Tensor
@@ -32,6 +33,12 @@ class FormatPages(NamedTuple):
     basis: Tensor | None = None
     anchors: Tensor | None = None
     residuals: Tensor | None = None
+
+    @classmethod
+    def of_layer(cls, bundle: list[Tensor], layer: int) -> FormatPages:
+        """Layer ``layer``'s view of the whole pool's bundle (``signature.FORMAT_POOL``: the attention ops' one
+        format argument, read by name)."""
+        return cls(**{i.field: t[layer] if i.per_layer else t for i, t in zip(FORMAT_POOL, bundle, strict=True)})
 
     @property
     def empty(self) -> bool:

@@ -19,7 +19,7 @@ Codecs (D = head dim, G = group size along D):
     spectra4..2  SPECTRA: rows in a per-head latent basis calibrated per model, bits per channel group by energy
                  (``latent``; int4..int2's bytes: codes of 4..2 bits a channel on average, fp16 scale and minimum
                  per group of 32); the basis is the cache's (``fmt_basis``), so ``codec_of`` never names it
-    saki4        SAKI: keys in the score-preserving basis of §20 (bits by score error), values as int4 (``latent``)
+    saki4        SAKI: keys in SAKI's score-preserving basis (bits by score error), values as int4 (``latent``)
     anchor2      AnchorKV: a row is its nearest anchor scaled plus, where compression refined it, a 2-bit residual;
                  anchors and residuals live in the sequence's tables (``anchored``), which only compression writes
 
@@ -37,9 +37,9 @@ from torch import Tensor
 
 from . import latent
 from .anchored import AnchorCodec
-from .latent import LatentCodec
 from .codec import RowCodec
 from .integer import ChannelCodec, IntCodec
+from .latent import LatentCodec
 from .packing import fp8_values
 from .pruned import PrunedCodec
 from .tq3 import TQ3Keys, TQ3Values
@@ -56,6 +56,10 @@ class FloatCodec(RowCodec):
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x.to(self.dtype), x.new_zeros(*x.shape[:-1], 0, dtype=torch.float32)
 
+    def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
+        """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
+        return 0, 0
+
     def decode(self, codes: Tensor, meta: Tensor, dtype: torch.dtype) -> Tensor:
         return codes.to(dtype)
 
@@ -71,6 +75,10 @@ class FloatCodec(RowCodec):
 @dataclass(frozen=True)
 class Fp8Codec(RowCodec):
     """float8 e4m3fn codes with one fp32 scale per row (the row's absolute max maps to 448)."""
+
+    def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
+        """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
+        return 0, 1
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
         scale = (x.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(1e-30)
@@ -119,6 +127,21 @@ class PageFormat:
         return rows + self.key.page_meta_bytes(head_dim) + self.value.page_meta_bytes(head_dim)
 
     @property
+    def window(self) -> int:
+        """Observed queries per layer that encoding these pages reads (choosing key channels, anchors): 0 for a
+        codec that reads rows alone."""
+        return max(getattr(self.key, "window", 0), getattr(self.value, "window", 0))
+
+    @property
+    def prunes_keys(self) -> bool:
+        """Keys keep channels chosen per head at compression (``key_channels``)."""
+        return isinstance(self.key, PrunedCodec)
+
+    def key_channels(self, obs) -> Tensor:
+        """[B, Hkv, W] the channels each head's keys keep, chosen from one layer's observation."""
+        return self.key.channels(obs)
+
+    @property
     def latent(self) -> bool:
         """Rows stored in a per-model basis the cache holds (SPECTRA): the format needs a calibration."""
         return isinstance(self.key, LatentCodec)
@@ -145,7 +168,7 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("bf16", FloatCodec(torch.bfloat16), FloatCodec(torch.bfloat16)),
     PageFormat("fp8", Fp8Codec(), Fp8Codec()),
     *(PageFormat(f"int{b}", _INT[b], _INT[b]) for b in (8, 4, 3, 2)),
-    PageFormat("k8v4", _INT[8], _INT[4]),  # keys need more bits than values (research/formats.md, vLLM k8v4)
+    PageFormat("k8v4", _INT[8], _INT[4]),  # keys need more bits than values (vLLM's k8v4)
     PageFormat("kivi4", ChannelCodec(4), _INT[4]),  # KIVI: keys per channel over a page, values per token
     PageFormat("kivi2", ChannelCodec(2), _INT[2]),
     PageFormat("think", PrunedCodec(0.5), FloatCodec(torch.float32)),  # ThinK at rho = 0.5, values unchanged

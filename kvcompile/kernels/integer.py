@@ -24,6 +24,10 @@ class IntCodec(RowCodec):
     bits: int
     group: int
 
+    def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
+        """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
+        return self.bits, head_dim // (meta.shape[-1] // 2)
+
     def _groups(self, head_dim: int) -> int:
         group = min(self.group, head_dim)
         if head_dim % group or head_dim % 8:
@@ -63,7 +67,8 @@ class IntCodec(RowCodec):
         c, scale, low, blocks = self._columns(codes, meta, p.dtype)
         n, G = blocks.shape[0], p.shape[-2]
         by_group = torch.matmul((p.unsqueeze(-3) * scale.unsqueeze(-2)).flatten(-3, -2), c)
-        return (by_group.unflatten(-2, (n, G)) * blocks[:, None]).sum(-3) + torch.matmul(p, low.transpose(-1, -2)) @ blocks
+        return ((by_group.unflatten(-2, (n, G)) * blocks[:, None]).sum(-3)
+                + torch.matmul(p, low.transpose(-1, -2)) @ blocks)
 
     def _columns(self, codes: Tensor, meta: Tensor, dtype: torch.dtype):
         """Codes as ``dtype`` [..., S, D]; each group's scale and minimum [..., n, S]; and which channels each group
@@ -99,6 +104,10 @@ class ChannelCodec(Codec):
 
     bits: int
     page_local = True
+
+    def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
+        """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
+        return self.bits, -1
 
     def encode_pages(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         """Pages x [N, P, D] (rows where ``valid`` [N, P] is False are ignored and stored as zeros)."""

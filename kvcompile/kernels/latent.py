@@ -1,4 +1,4 @@
-"""Latent rows (SPECTRA's, METHODS.md §12, ``methods.spectra``; SAKI's keys, §20, ``methods.saki``): a vector stored
+"""Latent rows (SPECTRA's, ``methods.spectra``; SAKI's keys, ``methods.saki``; docs/methods_formats.md): a vector stored
 as codes of its coordinates in a per-head basis, each group of ``group`` latent channels at the width the basis
 allotted it, with an fp16 scale and minimum per group and token (a group at 0 bits keeps the token's mean over it
 there). Row-local, so rows move between a head's pages as bytes; but the codes mean nothing without their head's
@@ -10,7 +10,7 @@ row 2D is the mean subtracted first (SAKI's key mean; 0 for SPECTRA), row 2D + 1
 zero-padded (all zero for values, and for keys of a model without RoPE: keys are stored before RoPE, where the
 basis was measured, and rotated to their positions when read), row 2D + 2 each channel's width. Attention reads
 keys decoded a tile at a time (latent, ``up``, rotation), and mixes values in the latent basis, mapping only the
-weighted sum through ``up``: the basis is applied after attention, as §12 does.
+weighted sum through ``up``: the basis is applied after attention, as SPECTRA does.
 
 Codes: one bit plane per (group, bit) of the head's widths, group 0's from bit 0 up, then group 1's, ...; a plane
 holds one bit of the group's ``group`` channels, 8 a byte (channel c in bit c % 8). Every head spends the same
@@ -31,8 +31,8 @@ from ..methods.rope import rotate
 @dataclass(frozen=True)
 class LatentCodec:
     """Rows in a per-head basis at a mean of ``bits`` per channel in groups of ``group`` (``rotary``: keys, stored
-    before RoPE). ``basis`` names its construction (``model_basis``): "spectra" (§12), "saki" (SAKI's
-    score-preserving factorisation of keys, §20) or "identity" (the rows themselves, int4-like). What a row costs is
+    before RoPE). ``basis`` names its construction (``model_basis``): "spectra" (SPECTRA's), "saki" (SAKI's
+    score-preserving factorisation of keys) or "identity" (the rows themselves, int4-like). What a row costs is
     fixed by ``bits`` and ``group`` alone: the basis decides which group gets which width."""
 
     bits: int
@@ -80,7 +80,7 @@ def layout(up: Tensor, widths: Tensor, inv_freq: Tensor | None = None, down: Ten
 
 def model_basis(codecs, moments, rotary, head_dim: int) -> Tensor:
     """[L, 2, Hkv, 2D + 3, D] the basis of every layer (``layout``) for rows in ``codecs`` (key, value), from each
-    layer's calibration (``methods.spectra.Moments``, ``calibration.spectra``) and RoPE inverse frequencies
+    layer's calibration (``methods.moments.Moments``, ``calibration.latent``) and RoPE inverse frequencies
     (``rotary``: one per layer, or () for none)."""
     out = []
     for layer, m in enumerate(moments):
@@ -97,7 +97,7 @@ def _part(codec: LatentCodec, m, part: int, freq, D: int) -> Tensor:
     if codec.basis == "identity":
         eye = torch.eye(D).expand(H, D, D)
         return layout(eye, torch.full((H, D // group), codec.bits), freq)
-    if codec.basis == "saki":  # keys only: codes c = B_kᵀ(k - μ), read back as μ + B_q c (§20 at full rank)
+    if codec.basis == "saki":  # keys only: codes c = B_kᵀ(k - μ), read back as μ + B_q c (SAKI's map at full rank)
         maps = [saki.saki(q, k - torch.outer(mu, mu), mu, D)[0] for q, k, mu in zip(m.queries, m.keys, m.key_mean)]
         energy = torch.stack([saki.score_energies(q, k - torch.outer(mu, mu))
                               for q, k, mu in zip(m.queries, m.keys, m.key_mean)])

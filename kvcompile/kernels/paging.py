@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

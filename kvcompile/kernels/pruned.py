@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..methods.think import ThinK
+
 
 @dataclass(frozen=True)
 class PrunedCodec:
@@ -25,6 +27,15 @@ class PrunedCodec:
     head_dim: int = 0
     dtype: torch.dtype = torch.float32
     page_local = True
+    window = ThinK.window  # observed queries the choice of channels reads
+
+    def channels(self, obs) -> Tensor:
+        """[B, Hkv, W] the channels each head keeps, ThinK's choice from one layer's observation."""
+        return ThinK(self.ratio, self.window).channels(obs)
+
+    def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
+        """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
+        return -1, codes.shape[-1]
 
     def kept(self, head_dim: int) -> int:
         """Channels a row keeps: d - floor(d rho), as kvpress drops floor(d rho)."""

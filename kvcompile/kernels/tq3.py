@@ -1,8 +1,8 @@
-"""TQ3, Minima-KV's packed 3-bit page format (METHODS.md §13, from its third-party reproduction script): rows
-rotated by a normalised fast Walsh-Hadamard transform (which spreads an outlier channel over every channel), then
-3-bit codes with one grid per page. Keys keep their norm apart (fp16 per token, stored after the codes) and quantize
-their direction on a symmetric grid (-3..3, scale absmax / 3), renormalised after decoding; values use an affine
-grid (0..7, scale and minimum per page). Page-local (``formats.ChannelCodec`` alike): metadata [N, 1, M] fp32.
+"""TQ3, Minima-KV's packed 3-bit page format (docs/methods_formats.md#minima-kv, from its third-party reproduction
+script): rows rotated by a normalised fast Walsh-Hadamard transform (which spreads an outlier channel over every
+channel), then 3-bit codes with one grid per page. Keys keep their norm apart (fp16 per token, stored after the codes)
+and quantize their direction on a symmetric grid (-3..3, scale absmax / 3), renormalised after decoding; values use an
+affine grid (0..7, scale and minimum per page). Page-local (``formats.ChannelCodec`` alike): metadata [N, 1, M] fp32.
 Attention decodes a tile of pages and multiplies (``dot``, ``mix``): the rotation has no cheaper folding here."""
 
 from __future__ import annotations
@@ -12,22 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .hadamard import fwht
 from .packing import pack, unpack
 
 FLOOR = 2.0**-30  # smallest scale kept: an empty or constant page decodes to its minimum
-
-
-def fwht(x: Tensor) -> Tensor:
-    """The orthonormal Walsh-Hadamard transform of rows x [..., D] (D a power of two); its own inverse."""
-    D = x.shape[-1]
-    if D & (D - 1):
-        raise ValueError(f"TQ3 pages need a power-of-two head dim (a Hadamard rotation), got {D}")
-    y, h = x.float(), 1
-    while h < D:
-        pairs = y.unflatten(-1, (D // (2 * h), 2, h))
-        y = torch.stack([pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]], -2).flatten(-3)
-        h *= 2
-    return y / D**0.5
 
 
 class _Decoded:
@@ -46,6 +34,10 @@ class _Decoded:
 class TQ3Keys(_Decoded):
     """Keys: codes [N, P, 3D/8 + 2] (the 3-bit direction, then the fp16 norm's two bytes), meta [N, 1, 1] the
     page's scale."""
+
+    def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
+        """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
+        return -2, 0
 
     def encode_pages(self, x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         x = x.float().masked_fill(~valid[..., None], 0)
@@ -82,6 +74,10 @@ class TQ3Keys(_Decoded):
 @dataclass(frozen=True)
 class TQ3Values(_Decoded):
     """Values: codes [N, P, 3D/8] of the rotated rows on the page's affine grid, meta [N, 1, 2] (scale, minimum)."""
+
+    def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
+        """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
+        return -3, 0
 
     def _grid(self, rotated: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
         v, some = valid[..., None], valid.any(1)[:, None, None]

@@ -24,10 +24,10 @@ unweighted cache compiles the kernel without the load).
 
 A format pool (``reference.FormatPages``: entries stored in a page format) gets a stage-1 launch of its own,
 with the format's layout as constants, whose splits follow the model-dtype pool's in the work buffers; the one
-stage 2 merges them all (Minima-KV's merge is this split-K merge). Its rows are decoded in registers
-(``_load_rows``): the K/V traffic is the stored bytes plus their scales, and no dequantized copy is written. TQ3's
-Hadamard rotation is never applied to a key or value: ``q . H(x) = H(q) . x``, so the launch rotates the query once
-and, since attention is linear in the values, rotates its output back once.
+stage 2 merges them all. Its rows are decoded in registers (``_load_rows``): the K/V traffic is the stored bytes
+plus their scales, and no dequantized copy is written. A rotated codec's Hadamard rotation is never applied to a key
+or value: ``q . H(x) = H(q) . x``, so the launch rotates the query once and, since attention is linear in the values,
+rotates its output back once.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import wrap_triton
 
-from .formats import ChannelCodec, Fp8Codec, IntCodec, PrunedCodec, TQ3Keys, TQ3Values, codec_of
-from .tq3 import fwht
+from .formats import codec_of
+from .hadamard import fwht
 
 BLOCK_N = 32  # tokens per K/V tile
 MIN_ROWS = 16  # tl.dot needs at least 16 rows
@@ -73,9 +73,9 @@ def _load_rows(ptr, meta_ptr, page, row, d, mask, stride_n, stride_p, stride_mn,
     the rows as they are (a float dtype, float8 included, with an fp32 scale per row when GROUP is 1 -- fp8),
     BITS 8/4/2 unpack plane ``d // W`` of byte ``d % W`` (W = D * BITS / 8) and 3 joins a 2-bit and a 1-bit
     plane, then apply the fp16 scale and minimum of channel d's group of GROUP (GROUP -1: of channel d in the
-    row's page, KIVI's keys). Three layouts need more than a scale: BITS -1 ThinK's pruned keys (GROUP kept
-    channels, put back at the channels the page lists, zeros elsewhere), -2 TQ3 keys (the 3-bit direction times
-    norm / |levels|, still rotated: the caller rotates the query instead) and -3 TQ3 values (the page's affine
+    row's page, ``ChannelCodec``). Three layouts need more than a scale: BITS -1 pruned keys (GROUP kept
+    channels, put back at the channels the page lists, zeros elsewhere), -2 rotated keys (the 3-bit direction times
+    norm / |levels|, still rotated: the caller rotates the query instead) and -3 rotated values (the page's affine
     grid, still rotated: the caller rotates the output back)."""
     base = ptr + page[:, None] * stride_n + row[:, None] * stride_p
     if GROUP == -1 or BITS < 0:
@@ -142,7 +142,7 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + (h * G + g)[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     q_pos = tl.load(q_pos_ptr + b)
-    if K_BITS == -2 or V_BITS == -3:  # TQ3: the orthonormal Hadamard matrix [D, D] (symmetric, its own inverse)
+    if K_BITS == -2 or V_BITS == -3:  # rotated: the orthonormal Hadamard matrix [D, D] (symmetric, its own inverse)
         rotation = tl.load(rotation_ptr + d[:, None] * D + d[None, :], mask=d_ok[:, None] & d_ok[None, :], other=0.0)
     if K_BITS == -2:  # q . H(x) = H(q) . x: rotate the query once instead of every key
         q = _dot(q.to(tl.float32), rotation, True)
@@ -249,7 +249,7 @@ def paged_decode(
     BLOCK_D = max(16, triton.next_power_of_2(D))
     for i, (k, k_meta, v, v_meta, pos, table, lens, lw) in enumerate(pools):
         (k_bits, k_group), (v_bits, v_group) = _layout(k, k_meta, D), _layout(v, v_meta, D)
-        rotation = _hadamard(D, q.device) if k_bits == -2 or v_bits == -3 else q  # read by TQ3 pages only
+        rotation = _hadamard(D, q.device) if k_bits == -2 or v_bits == -3 else q  # read by rotated pages only
         k_meta, v_meta = (k if k_meta is None else k_meta), (v if v_meta is None else v_meta)
         pos, table, lens = (t.contiguous() for t in (pos, table, lens))
         wrap_triton(_decode_split_kernel)[(B * Hkv, max_splits)](
@@ -275,23 +275,13 @@ def paged_decode(
 
 @functools.cache
 def _hadamard(head_dim: int, device: torch.device) -> Tensor:
-    """The orthonormal Hadamard matrix TQ3 rotates by, built once per head dim and device (not per decode step)."""
+    """The orthonormal Hadamard matrix of rotated codecs, built once per head dim and device (not per decode step)."""
     return fwht(torch.eye(head_dim, device=device))
 
 
 def _layout(codes: Tensor, meta: Tensor | None, head_dim: int) -> tuple[int, int]:
     """(BITS, GROUP) constants of ``_load_rows`` for rows stored by ``formats.codec_of(codes, meta)``: (0, 0) a
     float dtype, (0, 1) fp8 with a row scale, (bits, group) the integer codecs, (bits, -1) per-channel pages,
-    (-1, kept channels) ThinK's keys, (-2, 0) TQ3 keys, (-3, 0) TQ3 values."""
-    if meta is None:
-        return 0, 0
-    codec = codec_of(codes, meta, head_dim)
-    if isinstance(codec, PrunedCodec):
-        return -1, codes.shape[-1]
-    if isinstance(codec, (TQ3Keys, TQ3Values)):
-        return (-2 if isinstance(codec, TQ3Keys) else -3), 0
-    if isinstance(codec, ChannelCodec):
-        return codec.bits, -1
-    if isinstance(codec, IntCodec):
-        return codec.bits, head_dim // (meta.shape[-1] // 2)
-    return (0, 1) if isinstance(codec, Fp8Codec) else (0, 0)
+    (-1, kept channels) pruned keys, (-2, 0) rotated keys, (-3, 0) rotated values. Each codec says which
+    (``triton_layout``); a codec without one is not read by this kernel."""
+    return (0, 0) if meta is None else codec_of(codes, meta, head_dim).triton_layout(codes, meta, head_dim)

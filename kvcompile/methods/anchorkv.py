@@ -1,8 +1,8 @@
-"""AnchorKV (METHODS.md §11, arXiv 2608.02901; from a third-party transcription of its method section, provenance
+"""AnchorKV (arXiv 2608.02901; from a third-party transcription of its method section, provenance
 "secondary": constants to check against the paper): no token is dropped; a few anchors per head are stored exactly
 and every other token as its most similar anchor scaled, plus a coded residual where that matters most to the output.
 Not a scorer: compression asks it for anchors, assignments and utilities (``kvcompile.anchoring``), and the
-``anchor2`` page format stores the result (``kernels.anchored``). Keys are compared before RoPE, as §11 says."""
+``anchor2`` page format stores the result (``kernels.anchored``). Keys are compared before RoPE, as the source says."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ class AnchorKV:
         return newest | snapped | (_rank(draw) < n_rand) & rest & ~snapped
 
     def utilities(self, obs: Observation, key_residuals: Tensor, value_residuals: Tensor) -> tuple[Tensor, Tensor]:
-        """[B, Hkv, S] each token's refinement utility for its key and its value (§11): the observed queries' squared
-        attention times the squared logit change its key residual (before RoPE, ``key_residuals``) causes, times
+        """[B, Hkv, S] each token's refinement utility for its key and its value (AnchorKV's): the observed queries'
+        squared attention times the squared logit change its key residual (before RoPE, ``key_residuals``) causes, times
         ||v_t - y||^2, for keys; times its value residual's squared norm for values; averaged over the queries."""
         B, Hkv, S, _ = obs.keys.shape
         attn = obs.window_attention().float()  # [B, Hq, W, S]

@@ -14,8 +14,17 @@ import torch
 from torch import Tensor
 
 from .sources import (  # noqa: F401  (the sources a method declares, importable from here)
-    ContextTokens, ExtraPass, Gradients, HiddenStates, LayerWeights, Question, QueryWindow, Reconstruction, Restore,
-    Segments, Source,
+    ContextTokens,
+    ExtraPass,
+    Gradients,
+    HiddenStates,
+    LayerWeights,
+    QueryWindow,
+    Question,
+    Reconstruction,
+    Restore,
+    Segments,
+    Source,
 )
 
 SCORERS: dict[str, type] = {}

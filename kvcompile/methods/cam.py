@@ -1,5 +1,5 @@
-"""CaM (ICML 2024, https://openreview.net/forum?id=LCTmppB165) as kvpress's CAMPress (METHODS.md section 46): at
-each decode-time eviction, evicted values are merged, each with a seeded Bernoulli draw, into the kept tokens that
+"""CaM (ICML 2024, https://openreview.net/forum?id=LCTmppB165) as kvpress's CAMPress (docs/decode_compression.md#cam):
+at each decode-time eviction, evicted values are merged, each with a seeded Bernoulli draw, into the kept tokens that
 follow them."""
 
 from __future__ import annotations

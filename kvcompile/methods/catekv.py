@@ -21,7 +21,7 @@ class CateKV(Scorer):
 
     A query hits a chunk when it pays any of its tokens more than the head's threshold v_min + (v_max - v_min) *
     ``top_threshold``, with v_min / v_max the (1 - ``top_fraction``) / ``top_fraction`` quantiles of the head's
-    attention (GQA group mean) to the middle tokens. From the official code (METHODS.md section 15).
+    attention (GQA group mean) to the middle tokens. From the official code.
     """
 
     last_q: int = 64
@@ -91,8 +91,8 @@ class CateKVHeads(Allocator):
     hold on top (paper: consistent heads a fixed sparse budget, adaptive heads the full cache).
 
     ``adaptive_heads`` [L][Hkv] (True = adaptive) comes from ``calibration.catekv.calibrate`` (the paper's offline
-    classification over calibration texts); without it the same test runs on each prompt's own scores (inferred). Inferred: the
-    consistent heads' budget as a share of the uniform one, needed to honour a byte budget.
+    classification over calibration texts); without it the same test runs on each prompt's own scores (inferred).
+    Inferred: the consistent heads' budget as a share of the uniform one, needed to honour a byte budget.
     """
 
     adaptive_fraction: float = 0.4

@@ -20,7 +20,7 @@ class CertKV(Allocator):
     """Every head that evicts keeps one summary row of its evicted tail, charged to the budget; the remaining
     slots go where the evicted values are most dispersed.
 
-    Allocation (paper, METHODS.md section 2): with r_h the head's scores as attention masses (``attention_mass``)
+    Allocation (paper): with r_h the head's scores as attention masses (``attention_mass``)
     and the head keeping its top b tokens, the tail costs c_h(b) = m_h(b) * sqrt(E_{r_h(b)} ||v - v*_h(b)||^2)
     (tail mass times the spread of the tail's values around their r-weighted mean). The real slots, the budget
     less one per head, minimise sum_h c_h(b_h): b_h(lam) = argmin_b c_h(b) + lam * b with bisection on lam, then

@@ -1,4 +1,4 @@
-"""Chunks as retention units (kvpress's ChunkKV, EntropyGatedChunkKV and ChunkPress wrappers, METHODS.md §43).
+"""Chunks as retention units (kvpress's ChunkKV, EntropyGatedChunkKV and ChunkPress wrappers, docs/methods_wrappers.md).
 
 Each wraps any registered scorer. ChunkKV and EntropyGatedChunkKV turn its scores into one ranking shared by every
 head (heads meet by position); ChunkPress ranks within position chunks so every chunk keeps the same share. A
@@ -118,8 +118,9 @@ class ChunkPress(Wrapper):
     only that chunk's keys, and only queries inside the chunk, the last ones as many as it reads), and every chunk
     keeps the same share of its tokens, per head: the ranking is each token's rank within its chunk over the
     chunk's held count (what the base pins comes first within its chunk only). kvpress keeps
-    ``max(1, len (1 - ratio))`` per chunk; here the shares differ from that by rounding only. A base that reads queries makes the cache remember the whole prompt's (up to ``window``), since
-    each chunk's last queries are needed, not only the prompt's."""
+    ``max(1, len (1 - ratio))`` per chunk; here the shares differ from that by rounding only. A base that reads
+    queries makes the cache remember the whole prompt's (up to ``window``), since each chunk's last queries are
+    needed, not only the prompt's."""
 
     chunk: int = 1024
     window: int = 8192

@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 import torch.nn.functional as F
+from torch import Tensor
 
 from .base import Observation, Scorer, pool_groups, protect, register_scorer
 from .rope import pre_rope

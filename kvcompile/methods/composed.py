@@ -28,7 +28,8 @@ class Composed(Wrapper):
         super().__post_init__()
         if self.first not in SCORERS:
             raise ValueError(f"composed: first must be a registered scorer, got {self.first!r} (give it with "
-                             f"recipes.compose('composed', <recipe>, first='knorm', keep=0.5)); known: {sorted(SCORERS)}")
+                             f"recipes.compose('composed', <recipe>, first='knorm', keep=0.5)); known: "
+                             f"{sorted(SCORERS)}")
         if not 0.0 < self.keep <= 1.0:
             raise ValueError(f"composed: keep must be in (0, 1], got {self.keep}")
         self._first = SCORERS[self.first](**self.first_args)

@@ -17,7 +17,7 @@ class ContourKV(Allocator):
     """One level for all layers and KV heads of a sequence; each head keeps the fewest top tokens that bring its
     dropped attention mass down to that level, and the level is the lowest whose total fits the budget.
 
-    Inferred from the abstract alone (METHODS.md section 1): the per-head mass curve, the level set ("contour")
+    Inferred from the abstract alone: the per-head mass curve, the level set ("contour")
     and the ``"balancing"`` variant. Scores are read as attention masses (``attention_mass``: clamped at 0 and
     normalised per head), so pair it with an attention scorer such as SnapKV's window attention; pinned tokens
     come first, spread evenly over the heads when the budget cannot hold them all. ``variant``: ``"contour"``

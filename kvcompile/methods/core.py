@@ -1,5 +1,5 @@
-"""CORE (arXiv 2610.02235; METHODS.md section 4): coverage-aware retention, and the evicted attention mass written
-into a few memory entries instead of dropped."""
+"""CORE (arXiv 2610.02235; docs/methods_allocators.md#core): coverage-aware retention, and the evicted attention mass
+written into a few memory entries instead of dropped."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .base import Allocator, Observation, per_head_share, register_allocator
-from .shares import attention_mass
 from .certkv import reference_query
+from .shares import attention_mass
 
 _TINY = 1e-12  # the floor of an attention mass under its log
 

@@ -1,6 +1,6 @@
-"""The DMS threshold wrapper (METHODS.md §32, kvpress ``DMSPress``): the newest ``window`` tokens are always kept;
-every older token is evicted iff its score is below ``tau``. A dense-prefill imitation of DMS (arXiv 2506.05345),
-not its trained evictor.
+"""The DMS threshold wrapper (kvpress ``DMSPress``, docs/methods_learned.md#dms): the newest ``window`` tokens are
+always kept; every older token is evicted iff its score is below ``tau``. A dense-prefill imitation of DMS (arXiv
+2506.05345), not its trained evictor.
 
 kvcompile's choice: the budget caps what is kept. kvpress lets the threshold alone decide (the budget is an
 outcome); here a recipe must hold ``bytes_held <= budget_bytes``, so when the tokens at or above ``tau`` exceed the

@@ -1,4 +1,4 @@
-"""DuoAttention (https://arxiv.org/abs/2410.10819, METHODS §37): retrieval heads keep what the budget allows,
+"""DuoAttention (https://arxiv.org/abs/2410.10819): retrieval heads keep what the budget allows,
 streaming heads keep only their attention sinks and recent tokens; which head is which is measured once per model
 on offline text (``calibration.duoattention``)."""
 

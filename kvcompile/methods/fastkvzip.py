@@ -1,4 +1,4 @@
-"""FastKVzip (METHODS.md §33, kvpress ``FastKVzipPress``, arXiv 2601.17668): a small gate per layer scores each
+"""FastKVzip (kvpress ``FastKVzipPress``, arXiv 2601.17668): a small gate per layer scores each
 token from its attention input h_j alone, trained to reproduce KVzip's scores, so the cache is ranked in the one
 prefill that reads the context (no reconstruction pass, no attention map).
 
@@ -7,7 +7,8 @@ own key and 16 learned sink keys; the weight it pays itself, averaged over the g
 that only attends to the sinks scores low. The architecture follows kvpress's gate (RMS-normed projections, a query
 bias, zero-initialised sinks and logit bias); the loss it was trained with is not published, so the one used here
 (squared error on log scores, ``train.kvzap``) is inferred. The gates are larger than the other learned scorers
-(3.3M parameters for SmolLM2-135M), so they do not ship: ``apply`` trains them on first use (``train.first_use``).
+(3.3M parameters for SmolLM2-135M), so they do not ship: ``kvcompile train fastkvzip --model NAME`` makes them,
+and ``apply`` refuses without them, naming that command.
 """
 
 from __future__ import annotations

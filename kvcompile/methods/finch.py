@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Observation, Question, QueryWindow, Scorer, pool_groups, protect, register_scorer
+from .base import Observation, QueryWindow, Question, Scorer, pool_groups, protect, register_scorer
 
 
 def chunk_shares(scores: Tensor, pinned: Tensor, positions: Tensor, valid: Tensor, length: int) -> Tensor:

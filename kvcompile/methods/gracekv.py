@@ -1,4 +1,4 @@
-"""GraceKV ("Every Cache Entry Earns Its Place", arXiv 2608.07001; METHODS.md section 10): a prototype tree per slot
+"""GraceKV ("Every Cache Entry Earns Its Place", arXiv 2608.07001): a prototype tree per slot
 of each (layer, KV head), and one global greedy allocation in which "add coverage" (keep a dropped slot as its root
 prototype) and "add resolution" (split a node into its children) compete for the byte budget by gain per entry."""
 
@@ -21,7 +21,7 @@ _DROPPED = 2.0  # distortion of a dropped node: no partition and no output (lamb
 @register_allocator("gracekv")
 @dataclass
 class GraceKV(Allocator):
-    """Prototype trees and a global greedy allocation (METHODS.md section 10, steps 2, 3 and 6).
+    """Prototype trees and a global greedy allocation (docs/methods_allocators.md#gracekv).
 
     Each head's tokens (pinned ones aside, when they fit: kept exactly, charged first) form slots of ``slot``
     tokens in position order; each slot is a binary tree of contiguous halves down to single tokens. A node's

@@ -1,5 +1,6 @@
-"""GrowPage (arXiv 2609.03494; METHODS.md section 18): at each full page a head either acquires one more page or
-compresses in place, decided by how far its short- and long-term query summaries disagree, under a per-request cap.
+"""GrowPage (arXiv 2609.03494; docs/decode_compression.md#growpage): at each full page a head either acquires one more
+page or compresses in place, decided by how far its short- and long-term query summaries disagree, under a per-request
+cap.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""H2O at decode time (https://arxiv.org/abs/2306.14048; details as in awslabs/keys_values, METHODS.md section 21):
+"""H2O at decode time (https://arxiv.org/abs/2306.14048; details as in awslabs/keys_values):
 rank held tokens by the attention they received, summed over the generated steps."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""HeadWiseKV (METHODS §14): a static history window per physical KV head, picked from a few levels (fractions of
-the context), so heads that look far keep far and local heads keep little; SeqCalib chooses the levels layer by
-layer on offline text under the aggregate budget (``calibration.headwisekv``)."""
+"""HeadWiseKV (docs/methods_allocators.md#headwisekv): a static history window per physical KV head, picked from a few
+levels (fractions of the context), so heads that look far keep far and local heads keep little; SeqCalib chooses the
+levels layer by layer on offline text under the aggregate budget (``calibration.headwisekv``)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class HeadWiseKV(Wrapper):
     ranks under equal shares (with ``streamingllm``: StreamingLLM, the uniform allocation HeadWiseKV is measured
     against).
 
-    Inferred (METHODS §14 is a summary): the levels, the sinks, ranking inside a window by the base when the
+    Inferred (the paper was read as a summary): the levels, the sinks, ranking inside a window by the base when the
     budget cuts into it, and SeqCalib's criterion (``calibration.headwisekv``)."""
 
     windows: list | None = None

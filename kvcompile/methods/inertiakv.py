@@ -1,6 +1,6 @@
-"""InertiaKV, InertiaKV-Lazy and Score-Free decoding ("What Matters for Aggressive Decoding-Time KV Eviction?",
-arXiv 2609.03515; METHODS.md section 7): rank held tokens by an exponential moving average of the attention the
-current query pays them, refreshed every step, every r steps, or only once."""
+"""InertiaKV, InertiaKV-Lazy and Score-Free decoding ("What Matters for Aggressive Decoding-Time KV Eviction?", arXiv
+2609.03515; docs/decode_compression.md#inertiakv): rank held tokens by an exponential moving average of the attention
+the current query pays them, refreshed every step, every r steps, or only once."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from .sources import output_projection
 @dataclass
 class KVgrad(KVzip):
     """Score of key c for query head r: the max over reconstruction probes p of A_{p,c} * ||dPhi/da_p|| times
-    ||W_O^r v_c||, then the max over the GQA group (METHODS.md §39). Phi is the sum over probes of the squared norm
+    ||W_O^r v_c||, then the max over the GQA group. Phi is the sum over probes of the squared norm
     of the last decoder layer's output, a_p the layer's attention output at p (``kvcompile.gradients``: one dense
     backward pass of the source model over context and probes). Sinks and the probes' own tokens as in KVzip.
 

@@ -1,4 +1,4 @@
-"""KVpop (METHODS.md §49, arXiv 2607.05061, PARTIAL: read through summaries, its code not found): a small per-(layer,
+"""KVpop (arXiv 2607.05061, PARTIAL: read through summaries, its code not found): a small per-(layer,
 KV head) model trained to tell whether the queries after a protected window will attend to a token among the most
 (``train.kvpop``), so a cache evicts to a fixed per-head budget.
 
@@ -7,9 +7,9 @@ The delayed one (``kvpop-delayed``, a decode policy) fixes a token's score only 
 written, once the scorer has seen what follows it; pending tokens stay in the protected recent window meanwhile.
 
 Inferred (stated in the recipes): the scorers read what the cache holds of the token (its value and key norms,
-``methods.kvzap.token_features``; §49 names the token's key, value or hidden state), linear per (layer, KV head);
-the delayed scorer's memory of the next tokens (§49: a recurrent, xLSTM-style state) is here the attention the next
-``DELAY`` queries paid the token (``lookahead_mass``), one more feature; the boundary-weighted loss's form; the
+``methods.kvzap.token_features``; the paper names the token's key, value or hidden state), linear per (layer, KV head);
+the delayed scorer's memory of the next tokens (the paper's: a recurrent, xLSTM-style state) is here the attention the
+next ``DELAY`` queries paid the token (``lookahead_mass``), one more feature; the boundary-weighted loss's form; the
 protected window of 32 and the 4 sinks kept.
 """
 
@@ -25,7 +25,7 @@ from .base import Observation, protect, register_scorer
 from .decoding import DecodePolicy, LayerState, register_policy
 from .kvzap import TRAIN_HINT, KVzap, load_surrogate, token_features
 
-DELAY = 8  # steps between a token's write and its score (inferred: §49 names the mechanism, not a value)
+DELAY = 8  # steps between a token's write and its score (inferred: the paper names the mechanism, not a value)
 
 
 def lookahead_mass(obs: Observation, delay: int, block: int = 128) -> Tensor:

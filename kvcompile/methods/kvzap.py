@@ -1,4 +1,4 @@
-"""KVzap (METHODS.md §32, kvpress ``KVzapPress``, arXiv 2601.07891): a small per-layer model predicts, from each
+"""KVzap (kvpress ``KVzapPress``, arXiv 2601.07891): a small per-layer model predicts, from each
 token alone, the log of the KVzip score it would get, so a cache is ranked without KVzip's second prefill.
 
 Two inputs (``KVzap.inputs``). ``"hidden"``, as kvpress: the attention input h_j (the normed hidden state before

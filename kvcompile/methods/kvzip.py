@@ -7,7 +7,14 @@ from dataclasses import dataclass
 import torch
 
 from .base import (
-    Allocator, Observation, QueryWindow, Reconstruction, Scorer, pooled_rank, protect, register_allocator,
+    Allocator,
+    Observation,
+    QueryWindow,
+    Reconstruction,
+    Scorer,
+    pooled_rank,
+    protect,
+    register_allocator,
     register_scorer,
 )
 

@@ -54,8 +54,8 @@ class MissingWeights(FileNotFoundError):
 
 def load(method: str, name: str, sha256: str = "", train_hint: str = "") -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, card) of the first candidate file (``candidates``) whose digest is ``sha256`` (any, when empty).
-    Raises ``MissingWeights`` (a ``FileNotFoundError``) naming where it looked and how to make the weights: a learned scorer never runs
-    untrained."""
+    Raises ``MissingWeights`` (a ``FileNotFoundError``) naming where it looked and how to make the weights: a learned
+    scorer never runs untrained."""
     looked = []
     for path in candidates(method, name):
         looked.append(str(path))

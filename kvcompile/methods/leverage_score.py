@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Observation, Scorer, register_scorer
-from .compactor import zscore, leverage
+from .compactor import leverage, zscore
 from .rope import pre_rope
 
 

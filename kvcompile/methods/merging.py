@@ -1,4 +1,4 @@
-"""Merge-on-evict of values (kvpress's MergingPress, METHODS.md section 47): what a head evicts is folded into the
+"""Merge-on-evict of values (kvpress's MergingPress, docs/methods_wrappers.md): what a head evicts is folded into the
 value of the kept entry whose key is most like its own, so eviction keeps some of what it drops at no extra bytes."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Random Attention (arXiv 2609.03430, code SalesforceAIResearch/Random-Attention, ``random_pp``; METHODS.md
-section 8): keep the prompt and the recent window, evict generated tokens uniformly at random per head."""
+"""Random Attention (arXiv 2609.03430, code SalesforceAIResearch/Random-Attention, ``random_pp``):
+keep the prompt and the recent window, evict generated tokens uniformly at random per head."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RestoreKV (METHODS.md §40, kvpress ``RestoreKVPress``, arXiv 2608.01247): before KVzip evicts, a few learned
+"""RestoreKV (kvpress ``RestoreKVPress``, arXiv 2608.01247): before KVzip evicts, a few learned
 restore tokens read the whole cache in one LoRA-adapted pass, and their entries stay, so what the eviction loses
 can be carried by entries written while it was still there."""
 
@@ -26,7 +26,7 @@ class RestoreKV(KVzip):
     trained file (``methods.learned``: ``restorekv-<weights>.safetensors``: ``embeddings`` [n, hidden] and the
     adapter's ``adapter.*`` tensors); ``sha256`` pins it.
 
-    Inferred (METHODS.md §40): the restore pass runs before KVzip's reconstruction (kvpress: after scoring), so the
+    Inferred: the restore pass runs before KVzip's reconstruction (kvpress: after scoring), so the
     reconstruction's queries also see the restore entries; the adapter covers q, k, v, o (the paper's also the MLP),
     rank 8."""
 

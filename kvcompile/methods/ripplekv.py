@@ -18,9 +18,10 @@ class RippleKV(Allocator):
     most sensitive layer gets ``ratio`` times the least sensitive one's share); the layer's KV heads split it
     evenly, and what a head cannot hold goes to the others (total preserved).
 
-    Inferred from the abstract alone (METHODS.md section 16): the noise form, the KL measure, the normalisation
+    Inferred from the abstract alone: the noise form, the KL measure, the normalisation
     and the exponential map with its ratio. ``layer_sensitivity`` comes from ``calibration.ripplekv.calibrate``
-    (measured once per model and cached on disk); without it every layer weighs the same, which is the uniform allocation.
+    (measured once per model and cached on disk); without it every layer weighs the same, which is the uniform
+    allocation.
     """
 
     layer_sensitivity: tuple[float, ...] | None = None

@@ -1,4 +1,4 @@
-"""SAKI (METHODS.md §20, arXiv 2608.03228 v1 as a detailed reading reports it): a rank-r index of one head's keys
+"""SAKI (arXiv 2608.03228 v1 as a detailed reading reports it): a rank-r index of one head's keys
 that preserves attention *scores*, not the keys themselves.
 
 With pre-RoPE query second moment ``Σq`` (uncentered), centered key second moment ``Σk`` and key mean ``μ``, the

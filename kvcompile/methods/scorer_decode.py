@@ -1,5 +1,5 @@
-"""Any prefill scorer at decode time (kvpress's DecodingPress, METHODS.md §45): re-score every held token from the
-queries generation produced since the last run."""
+"""Any prefill scorer at decode time (kvpress's DecodingPress, docs/methods_wrappers.md): re-score every held token from
+the queries generation produced since the last run."""
 
 from __future__ import annotations
 

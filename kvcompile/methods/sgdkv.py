@@ -15,11 +15,11 @@ from .shares import water_fill
 class SGDKV(Allocator):
     """Every head first gets ``reserve`` tokens (its sinks + recent window; at most the uniform share), then the
     rest of the budget is shared in proportion to the head's diagnostic score, capped at what the head holds, the
-    excess water-filled to the other heads (paper, METHODS.md section 17).
+    excess water-filled to the other heads (paper).
 
     ``head_scores`` [L][Hkv] come from ``calibration.sgdkv.calibrate`` (measured once per model, cached on disk);
-    without them every head scores the same, which is the uniform allocation. Inferred: the reserve size (the observation
-    window SnapKV keeps, 128 in the paper's pairing).
+    without them every head scores the same, which is the uniform allocation. Inferred: the reserve size (the
+    observation window SnapKV keeps, 128 in the paper's pairing).
     """
 
     head_scores: tuple[tuple[float, ...], ...] | None = None

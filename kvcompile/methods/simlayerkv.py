@@ -1,4 +1,4 @@
-"""SimLayerKV (https://arxiv.org/abs/2410.13846, METHODS §36): a layer whose last prompt queries pay their attention
+"""SimLayerKV (https://arxiv.org/abs/2410.13846): a layer whose last prompt queries pay their attention
 to the sinks and the recent tokens is lazy and keeps only those; the other layers rank by a base scorer."""
 
 from __future__ import annotations

@@ -1,48 +1,36 @@
-"""SPECTRA (METHODS.md §12, arXiv 2608.07915 as a detailed full-text summary reports it; no code found): keys and
+"""SPECTRA (arXiv 2608.07915 as a detailed full-text summary reports it; no code found): keys and
 values stored in a per-head latent basis whose channels are decorrelated and sorted by energy, at bits spent per
 group of channels by energy.
 
-The basis. §12 factors a projection ``k = h W`` through its inputs' second moment ``G = E[hᵀh]``: with
+The basis. SPECTRA factors a projection ``k = h W`` through its inputs' second moment ``G = E[hᵀh]``: with
 ``M = G^½ W = U Σ Vᵀ``, the latent ``c = h G^-½ U Σ^½`` has diagonal second moments ``Σ`` and ``k = c Σ^½ Vᵀ``.
 Since ``MᵀM = Wᵀ G W = E[kᵀk]``, ``V`` and ``Σ`` are the eigenvectors and the square roots of the eigenvalues of
 the projection's own uncentered output moment, and at full rank a stored vector's latent is ``c = k V Σ^-½``: the
 cache needs ``E[kᵀk]`` (keys before RoPE), not the hidden states. A projection with a bias is the same
 construction over ``[h, 1]``, whose output moment is again ``E[kᵀk]`` of the vectors as they are.
 
-The bits. §12 spends ``b_j = b̄ + ½ log2(v_j / GM(v))`` bits on latent channel j of variance ``v_j = Σ_j`` (reverse
+The bits. SPECTRA spends ``b_j = b̄ + ½ log2(v_j / GM(v))`` bits on latent channel j of variance ``v_j = Σ_j`` (reverse
 water-filling; below 0: dropped) and lets channels that share a width share a group. Here the groups come first:
 ``group`` consecutive latent channels (of similar variance, since the basis is sorted) share one width, and the
 widths are the integer optimum of the same rate-distortion objective, ``sum_j v_j 4^-b_j`` at ``b̄ x D`` bits in
 all: one bit at a time to the group whose distortion it lowers most (a greedy that is exact for this separable
 convex objective), at most 8 per channel. Every head of a model spends the same bits, so rows have one width.
 A row stores, per group, its codes at the group's width with an fp16 scale and minimum of the token's values
-(per-token asymmetric min/max, §12); a group at 0 bits stores the mean of its values in the minimum's slot.
+(per-token asymmetric min/max, as SPECTRA); a group at 0 bits stores the mean of its values in the minimum's slot.
 
-Inferred (not in §12's summary): the fixed group size, the integer greedy and the 0-bit groups' mean. Pure tensor
-math, per head: ``calibration.spectra`` measures a model's moments, ``kernels.latent`` stores rows in the basis.
+Inferred (not in the paper's summary): the fixed group size, the integer greedy and the 0-bit groups' mean. Pure tensor
+math, per head: ``calibration.latent`` measures a model's moments, ``kernels.latent`` stores rows in the basis.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 MAX_BITS = 8
 FLOOR = 1e-8  # eigenvalues below FLOOR x the largest are raised to it before Σ^-½ (a latent channel of no energy)
-
-
-class Moments(NamedTuple):
-    """One layer's calibration, per KV head: uncentered second moments [Hkv, D, D] of its keys (before RoPE), values
-    and queries (before RoPE, its GQA group's pooled), and the keys' mean [Hkv, D]. SPECTRA reads the first two,
-    SAKI (``methods.saki``) the keys, queries and mean."""
-
-    keys: Tensor
-    values: Tensor
-    queries: Tensor
-    key_mean: Tensor
 
 
 @dataclass(frozen=True)
@@ -69,7 +57,7 @@ class Spectral:
 
 
 def basis(second_moment: Tensor, bits: float, group: int = 16) -> Spectral:
-    """§12's basis and widths from each head's uncentered second moment ``E[xᵀx]`` [H, D, D] of the vectors to
+    """SPECTRA's basis and widths from each head's uncentered second moment ``E[xᵀx]`` [H, D, D] of the vectors to
     store, at a mean of ``bits`` per channel."""
     H, D, _ = second_moment.shape
     if D % group or group % 8:

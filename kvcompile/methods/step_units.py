@@ -1,4 +1,4 @@
-"""Steps as retention units (METHODS §51; INFERRED: the papers were not found, only one-line descriptions, so every
+"""Steps as retention units (INFERRED: the papers were not found, only one-line descriptions, so every
 rule below is our reading of them): StepKV, CommitKV and ReCo rank the caller's segments (``Segments``: reasoning
 steps, tool calls with their observations) as whole units and keep whole segments in that order; the budget's
 remainder goes inside the first segment that does not fit, by token saliency. The segments holding the observed
@@ -16,8 +16,17 @@ import torch
 from torch import Tensor
 
 from .base import (
-    ContextTokens, Observation, QueryWindow, Scorer, Segments, Source, at_positions, descending_rank, pool_groups,
-    position_sums, register_scorer,
+    ContextTokens,
+    Observation,
+    QueryWindow,
+    Scorer,
+    Segments,
+    Source,
+    at_positions,
+    descending_rank,
+    pool_groups,
+    position_sums,
+    register_scorer,
 )
 from .transactional import find_anchors, position_ids
 

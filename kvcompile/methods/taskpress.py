@@ -1,4 +1,5 @@
-"""TaskPress (METHODS §19): a task-guided meta-query's attention, weighted by each value's quantization scale.
+"""TaskPress (docs/methods_scorers.md#taskpress): a task-guided meta-query's attention, weighted by each value's
+quantization scale.
 
 No paper, code or summary was found under this name; everything here is inferred from a one-line description, so
 its recipe's provenance is "description". What is known: the score combines (1) the attention of a short,
@@ -38,7 +39,7 @@ class TaskPress(KVzip):
     ``meta_query`` for a tokenizer); with ``meta_query=""`` the scale alone ranks (no extra pass), and with
     ``scaled=False`` the meta-query's attention alone (the two ablations of the product).
 
-    Inferred (all of it): the product of the two signals (METHODS §19 suggests ``attn_meta * s_V``); the value scale
+    Inferred (all of it): the product of the two signals (attention times the value scale); the value scale
     rather than the key's (the key scale tracks the key norm, which KNorm reads the other way round); the default
     meta-query text; one read of the meta-query after the whole context, whose tokens are dropped after scoring."""
 

@@ -1,4 +1,4 @@
-"""Transactional Attention (https://arxiv.org/abs/2604.11288, METHODS §59; abstract only, so inferred): anchor
+"""Transactional Attention (https://arxiv.org/abs/2604.11288; abstract only, so inferred): anchor
 patterns in the context (``password:``, ``key:``, ``id:``) sponsor the value tokens after them, which no attention
 score marks (credentials, IDs), out of a share of the budget the wrapped scorer cannot touch. TA-Fast ends a value
 at a delimiter token; TA ends it where the value's own queries stop attending to the anchor."""
@@ -12,7 +12,14 @@ import torch
 from torch import Tensor
 
 from .base import (
-    ContextTokens, Observation, QueryWindow, Source, Wrapper, at_positions, descending_rank, register_scorer,
+    ContextTokens,
+    Observation,
+    QueryWindow,
+    Source,
+    Wrapper,
+    at_positions,
+    descending_rank,
+    register_scorer,
 )
 
 UNRESOLVED = ("ta and ta-fast match their anchors on token ids, which depend on the tokenizer: resolve the recipe "

@@ -13,8 +13,8 @@ from torch import fx
 from ..spec import ModelSpec
 from .base import GraphPass, PassManager
 from .direct_calls import CallBodiesDirectly
-from .paged_attention import DropDeadMaskCode, InsertPagedAttention
 from .last_logits import KeepLastLogits
+from .paged_attention import DropDeadMaskCode, InsertPagedAttention
 from .sdpa import UnsupportedGraph
 from .streamed_linear import StreamWeightsLinear
 
@@ -26,8 +26,8 @@ def rewrite(
     """A copy of ``captured`` whose attention reads and writes the paged cache (a prefill or a decode program),
     and the attention pass, which recorded each layer's softmax scale and output projection.
 
-    The program is ``forward(*signature.INPUTS) -> logits``; with ``last_logits`` the logits are [B, 1, V]; with ``packed``
-    it may only run on a packed cache (``PagedKVCache.packed``), which it reads without gathering; with
+    The program is ``forward(*signature.INPUTS) -> logits``; with ``last_logits`` the logits are [B, 1, V]; with
+    ``packed`` it may only run on a packed cache (``PagedKVCache.packed``), which it reads without gathering; with
     ``stream_weights`` its projections run as ``streamed_linear`` (few rows on CPU).
     """
     gm = _copy(captured)

@@ -6,7 +6,7 @@ import torch
 from torch import fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.kvcompile)
-from ..signature import ADDED
+from ..signature import ADDED, FORMAT_POOL
 from ..spec import ModelSpec
 from .base import GraphPass
 from .sdpa import UnsupportedGraph, find_sdpa, kv_heads_source, module_path, output_projection, sdpa_args
@@ -17,11 +17,13 @@ class InsertPagedAttention(GraphPass):
 
     Adds graph inputs after the existing ones, named and ordered as ``signature.INPUTS`` declares (the step's
     positions, pool rows and ring slots, then the cache tensors, which the ops mutate in place), so the same program
-    runs eagerly, compiled or exported. ``scales`` records each layer's softmax scale, ``output_weights`` the
-    attribute path of its output projection W_O (None where the graph has none in reach).
+    runs eagerly, compiled or exported; the format pool's tensors reach each op as one list. ``scales`` records each
+    layer's softmax scale, ``output_weights`` the attribute path of its output projection W_O (None where the graph
+    has none in reach).
     Keys and values are taken before ``repeat_kv``, so the op sees one head per KV head. The model's own
-    attention mask is dropped: the op rebuilds causal, padding and sliding-window visibility from stored positions. That is exact for a transformers causal LM (whose mask
-    is exactly that); any other model must call SDPA with ``is_causal=True`` and no mask, else this raises.
+    attention mask is dropped: the op rebuilds causal, padding and sliding-window visibility from stored positions.
+    That is exact for a transformers causal LM (whose mask is exactly that); any other model must call SDPA with
+    ``is_causal=True`` and no mask, else this raises.
     ``packed`` (decode only): call ``decode_attention_packed``, which assumes a packed cache
     (``PagedKVCache.packed``) and reads it without gathering.
     """
@@ -44,9 +46,12 @@ class InsertPagedAttention(GraphPass):
             )
         last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
         with graph.inserting_after(last_input):
-            added = [graph.placeholder(f"kvc_{name}") for name in reversed(ADDED)][::-1]
-        ops = torch.ops.kvcompile
-        op = (ops.decode_attention_packed if self.packed else ops.decode_attention) if self.decode else ops.prefill_attention
+            added = dict(zip(ADDED, [graph.placeholder(f"kvc_{name}") for name in reversed(ADDED)][::-1]))
+        bundle = {i.name for i in FORMAT_POOL}  # the format pool reaches the op as one list argument
+        args = [node for name, node in added.items() if name not in bundle] + [[added[i.name] for i in FORMAT_POOL]]
+        kvc = torch.ops.kvcompile
+        op = ((kvc.decode_attention_packed if self.packed else kvc.decode_attention) if self.decode
+              else kvc.prefill_attention)
         op = op.default
         self.scales, self.output_weights = [], []
         for layer, node in enumerate(nodes):
@@ -63,7 +68,7 @@ class InsertPagedAttention(GraphPass):
             self.scales.append(float(scale))
             with graph.inserting_before(node):
                 new = graph.call_function(
-                    op, (call.query, k, v, *added),
+                    op, (call.query, k, v, *args),
                     {"layer": layer, "scale": float(scale), "window": spec.windows[layer]},
                 )
             new.meta = dict(node.meta)
@@ -76,7 +81,8 @@ class InsertPagedAttention(GraphPass):
 
     def _check_semantics(self, node: fx.Node, call) -> None:
         if call.dropout_p not in (0, 0.0):
-            raise UnsupportedGraph(f"attention with dropout_p={call.dropout_p} at {module_path(node)}; call model.eval()")
+            raise UnsupportedGraph(f"attention with dropout_p={call.dropout_p} at {module_path(node)}; "
+                                   "call model.eval()")
         if not self.spec.hf_causal_lm and (call.attn_mask is not None or not call.is_causal):
             raise UnsupportedGraph(
                 f"{module_path(node)} calls scaled_dot_product_attention with an explicit mask or is_causal=False "

@@ -18,7 +18,8 @@ aten = torch.ops.aten
 SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
-_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.contiguous.default)
+_VIEWS = (aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten.clone.default,
+          aten.contiguous.default)
 
 
 class UnsupportedGraph(ValueError):

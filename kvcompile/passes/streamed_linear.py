@@ -26,7 +26,8 @@ def streamed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     """
     rows = x.reshape(-1, x.shape[-1])
     if cpu_native.serves_linear(rows, weight):
-        out = cpu_native.linear(rows, weight) if ragged.concrete(rows) else torch.ops.kvcompile.native_linear(rows, weight)
+        out = (cpu_native.linear(rows, weight) if ragged.concrete(rows)
+               else torch.ops.kvcompile.native_linear(rows, weight))
     else:
         out = torch.mm(weight, rows.t()).t()
     if bias is not None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from .builtin import RECIPES
 from .recipe import PROVENANCE, Recipe
 
-__all__ = ["PROVENANCE", "RECIPES", "Recipe", "WRAPPERS", "compose", "get_recipe", "in_format", "prefill_decoding", "recipes"]
+__all__ = ["DEFAULT", "PROVENANCE", "RECIPES", "Recipe", "WRAPPERS", "compose", "get_recipe", "in_format",
+           "prefill_decoding", "recipes"]
+DEFAULT = "snapkv"  # what ``kvcompile.apply`` compresses with when no recipe is named
 
 
 def get_recipe(recipe: str | Recipe) -> Recipe:
@@ -32,9 +34,13 @@ def recipes() -> dict[str, Recipe]:
     return dict(RECIPES)
 
 
-from .compose import WRAPPERS, compose, in_format, prefill_decoding  # noqa: E402  (compositions build on the recipes above)
-from . import anchors  # noqa: E402  (text a recipe names, for a tokenizer: recipes.anchors.resolve)
-from . import reflection  # noqa: E402  (ReCo's reflection markers for a tokenizer: recipes.reflection.resolve)
+# the resolvers of text a recipe names (recipes.anchors.resolve) and of ReCo's reflection markers
+# (recipes.reflection.resolve), for a tokenizer; compositions build on the recipes above
+from . import (  # noqa: E402
+    anchors,
+    reflection,
+)
+from .compose import WRAPPERS, compose, in_format, prefill_decoding  # noqa: E402
 
 # ``kvcompile.recipes`` is this function at the top level: the resolvers the docs and errors name are reached from it
 recipes.anchors, recipes.reflection = anchors, reflection

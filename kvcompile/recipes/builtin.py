@@ -98,7 +98,7 @@ _BUILTIN = [
         inferred="v2 abstract with v1 details: the discount 1/(1 + lam f), prefix attention, capacities proportional "
                  "to it with a 0.2 floor",
     ),
-    # kvpress presses under their kvpress names and defaults (METHODS.md sections 26 onward)
+    # kvpress presses under their kvpress names and defaults (docs/methods_scorers.md)
     Recipe(
         "observed-attention", "observed-attention", version=2, scorer_args={"window": 8192, "block": 256},
         source="https://arxiv.org/abs/2306.14048 (kvpress ObservedAttentionPress)", provenance="peer",
@@ -195,7 +195,8 @@ _BUILTIN = [
            inferred="the observed queries (last 32), 4 sinks, tau 1 from unofficial code; its layer budgets and "
                     "anchor pages left out"),
     Recipe("ripplekv", "snapkv", "ripplekv", {"window": 32, "kernel": 7}, {"ratio": 4.0},
-           source="https://arxiv.org/abs/2608.08684 (uniform until calibration.ripplekv.calibrate fills layer_sensitivity)",
+           source="https://arxiv.org/abs/2608.08684 (uniform until calibration.ripplekv.calibrate fills "
+                  "layer_sensitivity)",
            version=2, provenance="abstract",
            inferred="the noise, 0.5 x RMS Gaussian; the KL; min-max normalisation; ratio 4; the calibration text"),
     Recipe("sgd-kv", "snapkv", "sgd-kv", {"window": 128, "kernel": 7}, {"reserve": 128},
@@ -210,7 +211,8 @@ _BUILTIN = [
            provenance="official-code",
            inferred="consistent heads keep 0.25 of the uniform share, where the paper keeps adaptive heads full; "
                     "a per-prompt CV test until calibration.catekv.calibrate fills adaptive_heads"),
-    # structure (METHODS §36, §37): heads judged local keep sinks + recent, the budget they leave goes to the others
+    # structure: heads judged local keep sinks + recent, the budget they leave goes to the others
+    # (docs/methods_allocators.md#heads-that-stream)
     Recipe("simlayerkv", "simlayerkv", "fill-eligible",
            {"tau": 0.9, "sinks": 4, "recent": 64, "last": 1,
             "base": "snapkv", "base_args": {"window": 32, "kernel": 7}},
@@ -271,25 +273,25 @@ _BUILTIN = [
            source="https://arxiv.org/abs/2609.03494", provenance="abstract",
            inferred="the method from a full-text summary; betas, working set, threshold, floor, max_share, "
                     "token-level eviction"),
-    # steps as retention units over the caller's segments (kvcompile.segments; METHODS §51, papers not found)
-    Recipe("stepkv", "stepkv", scorer_args={"window": 32}, source="METHODS.md §51 (StepKV; paper not found)",
+    # steps as retention units over the caller's segments (kvcompile.segments; papers not found)
+    Recipe("stepkv", "stepkv", scorer_args={"window": 32}, source="docs/methods_scorers.md#stepkv (paper not found)",
            provenance="description",
            inferred="step utility = attention mass of the last 32 queries on the step per token; steps in that order "
                     "as units, the current step first, the borderline step filled by the same attention"),
     Recipe("commitkv", "commitkv", scorer_args={"window": 32, "commit_tokens": 4, "epsilon": 0.01, "horizon": 8192},
-           source="METHODS.md §51 (CommitKV; paper not found)", provenance="description",
+           source="docs/methods_scorers.md#commitkv (paper not found)", provenance="description",
            inferred="a commit = the first 4 tokens of a segment (split by tool calls); deletion effect read as the "
                     "attention mass on the segment, before (that commit's queries) and after (the last 32 queries); "
                     "retire first when after <= 0.01 and after <= before; the first and current segments kept first"),
     Recipe("reco", "reco", scorer_args={"window": 32, "reward": "progress", "horizon": 512},
-           source="METHODS.md §51 (ReCo; paper not found)", provenance="description",
+           source="docs/methods_scorers.md#reco (paper not found)", provenance="description",
            inferred="no process reward model: the step reward is the attention later steps' queries (of the last "
                     "512) pay the step, scaled by the best step, times StepKV's utility; reflection penalty off (an "
                     "option); early stop a generation option (generate(early_stop=EarlyStop(tokenizer)), off): "
                     "a row stops after a step that repeats an earlier one or holds an answer marker"),
     *(Recipe(f"kivi{bits}", None, format=f"kivi{bits}", precise_recent=128, version=2,
              source="https://arxiv.org/abs/2402.02750", provenance="abstract",
-             inferred="KIVI's layout as research/formats.md reports it (its code was not read here): keys per "
+             inferred="KIVI's layout as secondary reports give it (its code was not read here): keys per "
                       "channel over one page of P tokens (KIVI: groups of 32 tokens), values per token in groups "
                       "of 32 channels, fp16 scale and minimum; the newest 128 tokens stay in the model's dtype, "
                       "and while decoding, every 128 tokens, those that left that window move to the format, so "

@@ -18,7 +18,8 @@ _PINS = "the base's pinned tokens rank first, their scores left out of the chunk
 _WRAPPERS = [  # (role, template)
     ("scorer", Recipe("chunkkv", "chunkkv", version=2,
                       scorer_args={"chunk": 20}, source="https://arxiv.org/abs/2502.00299",
-                      provenance="peer", inferred="the budget's last chunk is cut, where kvpress keeps it whole; " + _PINS)),
+                      provenance="peer",
+                      inferred="the budget's last chunk is cut, where kvpress keeps it whole; " + _PINS)),
     ("scorer", Recipe("entropy-gated-chunkkv", "entropy-gated-chunkkv",
                       version=2, scorer_args={"chunk": 10, "low_entropy_chunk_length": 4},
                       source="kvpress 0.5.5 EntropyGatedChunkKVPress (no paper)", provenance="peer",

@@ -26,10 +26,10 @@ from pathlib import Path
 
 from ..adapters import Adapter
 from ..kernels.formats import FORMATS, PrunedCodec, get_format
-from ..methods.think import ThinK
 from ..methods import ALLOCATORS, SCORERS
 from ..methods.decoding import POLICIES
 from ..methods.merging import ValueMerging
+from ..methods.think import ThinK
 from ..rerotation import rerotate
 from . import RECIPES, Recipe
 from .compose import WRAPPERS, parse
@@ -65,7 +65,8 @@ def code_roots(recipe: Recipe) -> list[type]:
     page_format = get_format(recipe.format) if recipe.format else None
     roots += [type(page_format.key), type(page_format.value)] if page_format else []
     roots += [ThinK] if page_format and isinstance(page_format.key, PrunedCodec) else []  # it picks the channels
-    return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args, recipe.decode or {}]) if s in SCORERS]
+    return roots + [SCORERS[s] for s in _strings([recipe.scorer_args, recipe.allocator_args, recipe.decode or {}])
+                    if s in SCORERS]
 
 
 def fingerprint(recipe: Recipe) -> str:

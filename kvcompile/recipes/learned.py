@@ -1,7 +1,8 @@
-"""The learned recipes (METHODS.md §32, §33, §49): their scorer reads weights trained here for SmolLM2-135M
+"""The learned recipes (docs/methods_learned.md): their scorer reads weights trained here for SmolLM2-135M
 (``kvcompile train kvzap``), shipped in ``kvcompile/weights`` and pinned by SHA-256, so new weights need a new
-version; FastKVzip's gates, too large to ship, are trained on first use (``kvcompile.first_use``). Recipes with an
-``adapter`` serve the model with LoRA weights trained here merged in (``kvcompile.adapters``)."""
+version; FastKVzip's gates, too large to ship, are trained by ``kvcompile train fastkvzip`` (``apply`` refuses
+without them). Recipes with an ``adapter`` serve the model with LoRA weights trained here merged in
+(``kvcompile.adapters``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ LEARNED = [
            "chosen on the last two training contexts; this library's KVzip scores (no instruction, one chunk; "
            "kvpress: KVzip+) of offline contexts; KVzip's 4 sinks kept"),
     Recipe("kvpop", "kvpop", "uniform", {"weights": "smollm2-135m", "sha256": _KVPOP_SHA}, trained_for="smollm2-135m",
-           source="https://arxiv.org/abs/2607.05061 (KVpop, METHODS.md §49: read through summaries, code not found)",
+           source="https://arxiv.org/abs/2607.05061 (KVpop: read through summaries, code not found)",
            provenance="abstract",
            inferred="the stateless scorer only (not the delayed, recurrent one); it reads what the cache holds of a "
            "token (KVzap's features: value and key norms), linear per (layer, KV head); its target, keep iff the "
@@ -45,39 +46,41 @@ LEARNED = [
            trained_for="smollm2-135m",
            decode={"policy": "kvpop-delayed", "every": 16, "recent": 32, "sinks": 4, "prompt": True,
                    "args": {"weights": "smollm2-135m", "sha256": _KVPOP_DELAYED_SHA}},
-           source="https://arxiv.org/abs/2607.05061 (KVpop's delayed scorer, METHODS.md §49: read through summaries, "
+           source="https://arxiv.org/abs/2607.05061 (KVpop's delayed scorer: read through summaries, "
            "code not found)", provenance="abstract",
            inferred="the paper's recurrent (xLSTM-style) memory of the tokens that follow is one feature here: the "
            "attention the next 8 queries paid the token, beside kvpop's features, linear per (layer, KV head); the "
            "delay of 8 steps; the same target and loss as kvpop; the prompt, ranked by kvpop at prefill, kept while "
            "decoding; every 16 steps the generated tokens beyond the newest 32 and 4 sinks compete for the cap"),
     Recipe("fastkvzip", "fastkvzip", "global-topk", {"weights": "smollm2-135m"}, trained_for="smollm2-135m",
-           source="https://arxiv.org/abs/2601.17668 (kvpress FastKVzipPress, METHODS.md §33)", provenance="peer",
+           source="https://arxiv.org/abs/2601.17668 (kvpress FastKVzipPress)", provenance="peer",
            inferred="the gate has kvpress's architecture (rank 16, 16 sinks, per layer) but is trained here, by "
            "squared error on the log of this library's KVzip scores (no instruction, one chunk) of offline contexts "
-           "(the paper's loss and data are not published); too large to ship (13 MB), its weights are trained on "
-           "first use, seeded, and not pinned by digest"),
-    Recipe("dms", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m", source="kvpress DMSPress over KVzap (METHODS.md §32)",
+           "(the paper's loss and data are not published); too large to ship (13 MB), its weights are made by "
+           "`kvcompile train fastkvzip`, seeded, and not pinned by digest"),
+    Recipe("dms", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m",
+           source="kvpress DMSPress over KVzap",
            provenance="peer", inferred=_KVZAP + "; prefill only (no decode-time FIFO); the budget caps what the "
            "threshold keeps (kvpress: the threshold alone decides); tau -4 from kvpress's README, not tuned here"),
     Recipe("dms-decode", "dms", "threshold", _DMS_ARGS, {"tau": -4.0}, trained_for="smollm2-135m",
            decode={"policy": "dms", "every": 16, "recent": 128, "args": {**_DMS_ARGS, "tau": -4.0}},
-           source="DMS (https://arxiv.org/abs/2506.05345) as kvpress's DMSPress over KVzap (METHODS.md §32), also "
+           source="DMS (https://arxiv.org/abs/2506.05345) as kvpress's DMSPress over KVzap, also "
            "while decoding", provenance="peer",
            inferred=_KVZAP + "; while decoding, the tokens that left the newest 128 are decided every 16 steps "
            "(DMS: each as it leaves), kept iff scored >= tau; the budget, counted over every token read, caps what "
            "is kept; tau -4 from kvpress's README, not tuned here"),
     Recipe("restorekv", "restorekv", "global-topk", {"weights": "smollm2-135m", "sha256": _RESTOREKV_SHA},
-           trained_for="smollm2-135m", source="https://arxiv.org/abs/2608.01247 (kvpress RestoreKVPress, METHODS.md "
-           "§40)", provenance="peer",
+           trained_for="smollm2-135m", source="https://arxiv.org/abs/2608.01247 (kvpress RestoreKVPress)",
+           provenance="peer",
            inferred="kvzip (no instruction, one chunk; kvpress: KVzip+) with 8 restore tokens: embeddings and a "
            "rank-8 LoRA (q, k, v, o; the paper's also the MLP) trained here by self-distillation on 12 offline "
            "contexts of 768 tokens, each at budgets 0.05, 0.1 and 0.25 (the continuation's KL to the full-cache "
-           "model; the paper: self-study questions about long documents); 150 steps of 2; the restore pass runs before KVzip's reconstruction "
-           "(kvpress: after scoring); the restore entries are kept first and charged to the budget"),
+           "model; the paper: self-study questions about long documents); 150 steps of 2; the restore pass runs "
+           "before KVzip's reconstruction (kvpress: after scoring); the restore entries are kept first and charged "
+           "to the budget"),
     Recipe("sparse-finetune-h2o", "h2o", "uniform", _H2O_ARGS, trained_for="smollm2-135m",
            adapter={"method": "sparse-finetune-h2o", "weights": "smollm2-135m", "sha256": _SPARSE_FINETUNE_SHA},
-           source="awslabs/keys_values (fine-tuning under H2O, METHODS.md §21)", provenance="peer",
+           source="awslabs/keys_values (fine-tuning under H2O)", provenance="peer",
            inferred="h2o, served by SmolLM2 with a rank-8 LoRA (q, k, v, o) fine-tuned here by self-distillation: "
            "on 16 offline contexts of 512 tokens, H2O at budget 0.25 compresses the first 448 and the adapted model "
            "matches the frozen full-cache model's next-token distribution over the last 64 (KL), reading the kept "
@@ -85,7 +88,7 @@ LEARNED = [
            "(KeysAndValues trains while it evicts); 100 steps of 2 contexts"),
     Recipe("abstain-kvzip", "kvzip", "global-topk", {"n_sink": 4, "window": 8192}, trained_for="smollm2-135m",
            adapter={"method": "abstain", "weights": "smollm2-135m", "sha256": _ABSTAIN_SHA},
-           source="compression-aware abstention (GroundLM @ EMNLP 2026; METHODS.md §50: paper not read)",
+           source="compression-aware abstention (GroundLM @ EMNLP 2026; paper not read)",
            provenance="abstract",
            inferred="kvzip, served by SmolLM2 with a rank-8 LoRA (q, k, v, o) trained here on 48 offline needle "
            "samples (niah, pass key; 512 tokens) compressed query-agnostically by KVzip or SnapKV at 0.1 or 0.25: "

@@ -15,7 +15,7 @@ PROVENANCE = {  # the strongest evidence a recipe rests on
     "paper": "the full paper was read",
     "abstract": "the paper itself was not read: its abstract, at most a third-party summary; details inferred",
     "peer": "reproduces a peer library's implementation (kvpress, awslabs/keys_values)",
-    "description": "inferred from a one-line description: no paper, code or summary was found (METHODS.md)",
+    "description": "inferred from a one-line description: no paper, code or summary was found",
     "control": "a baseline or control, no paper",
     "custom": "not a built-in recipe: no claim made",
 }
@@ -65,7 +65,8 @@ class Recipe:
         if self.precise_recent and self.format is None:
             raise ValueError(f"recipe {self.name!r}: precise_recent keeps recent tokens out of a page format; it "
                              "needs a format")
-        if self.adapter is not None and not {"method", "weights"} <= set(self.adapter) <= {"method", "weights", "sha256"}:
+        if (self.adapter is not None
+                and not {"method", "weights"} <= set(self.adapter) <= {"method", "weights", "sha256"}):
             raise ValueError(f"recipe {self.name!r}: adapter needs 'method' and 'weights' (and may pin 'sha256'), got "
                              f"{sorted(self.adapter)}")
         if self.decode is not None:
@@ -103,6 +104,10 @@ class Recipe:
         from .fingerprint import fingerprint  # that module reads RECIPES, defined below
 
         return fingerprint(self)
+
+    def merger(self) -> ValueMerging | None:
+        """What folds evicted values into kept entries at a compression (None: nothing is merged)."""
+        return None if self.merge is None else ValueMerging(**self.merge)
 
     def build(self):
         """(scorer, allocator) instances; bad parameters raise here, before the model is touched."""

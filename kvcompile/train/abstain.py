@@ -1,13 +1,15 @@
-"""Compression-aware abstention (METHODS.md §50, issue 17's ``abstain``): a LoRA adapter (``kvcompile.adapters``)
-that answers when the compressor kept the answer's evidence and says ``REFUSAL`` when it did not.
+"""Compression-aware abstention (docs/methods_learned.md#abstain-kvzip, issue 17's ``abstain``): a LoRA adapter
+(``kvcompile.adapters``) that answers when the compressor kept the answer's evidence and says ``REFUSAL`` when it did
+not.
 
 Labels come from survival. Each offline needle sample's context is compressed query-agnostically by one of
-``COMPRESSORS`` (recipe, budget; the card's mix of KVzip and SnapKV masks); a token of the answer span survives when
-at least ``rule`` of the (layer, KV head) pairs keep it, and the span when all its tokens do (METHODS.md §50's rule,
-with ``RULE`` = 0.1 of the pairs rather than its default half: inferred). Confident samples are trained to their gold answer, the others to ``REFUSAL``, by next-token loss
-on that target while the model reads the compressed context (``eval.analysis.masked``, one pass: the card's "cc"
-variant). ``outcomes`` measures the served path (the recipe applied to the model, merged with the adapter or not):
-answered correctly, hallucinated (answered, wrongly) or abstained, split by whether the evidence survived there.
+``COMPRESSORS`` (recipe, budget; the card's mix of KVzip and SnapKV masks); a token of the answer span survives when at
+least ``rule`` of the (layer, KV head) pairs keep it, and the span when all its tokens do (the rule, with ``RULE`` = 0.1
+of the pairs rather than half, is inferred). Confident samples are trained to their gold answer, the others to
+``REFUSAL``, by next-token loss on that target while the model reads the compressed context (``eval.analysis.masked``,
+one pass: the card's "cc" variant). ``outcomes`` measures the served path (the recipe applied to the model, merged with
+the adapter or not): answered correctly, hallucinated (answered, wrongly) or abstained, split by whether the evidence
+survived there.
 The paper was not read: the refusal string, the rule, the compressors and the loss details are inferred.
 """
 
@@ -31,7 +33,7 @@ from .lora import train_lora
 
 REFUSAL = "I cannot find it in the context."
 COMPRESSORS = (("kvzip", 0.1), ("snapkv", 0.1), ("kvzip", 0.25), ("snapkv", 0.25))
-RULE = 0.1  # METHODS.md §50's default is 0.5; on SmolLM2 at these budgets KVzip keeps an answer token in 4-26% of the
+RULE = 0.1  # not half the pairs: on SmolLM2 at these budgets KVzip keeps an answer token in 4-26% of the
 # (layer, KV head) pairs and still answers, so 0.5 labels nearly every sample Abstain (docs/results.md)
 TASKS = ("niah_single_1", "niah_multikey_1", "passkey", "niah_single_2")
 
@@ -132,5 +134,6 @@ def finetune(model, tokenizer, *, name: str, schedule: Schedule = Schedule(steps
                              "no_adapter": outcomes(model, tokenizer, held, None, rule)}}
 
     card["control"] = "random masks at the compressors' retention" if control else "none"
-    return train_lora(model, "abstain-control" if control else "abstain", name, loss(model, data), n, measure, card, schedule=schedule, rank=rank,
-                      out=out, run_dir=run_dir, progress=progress, ylabel="cross-entropy on the target")
+    return train_lora(model, "abstain-control" if control else "abstain", name, loss(model, data), n, measure, card,
+                      schedule=schedule, rank=rank, out=out, run_dir=run_dir, progress=progress,
+                      ylabel="cross-entropy on the target")

@@ -1,10 +1,10 @@
-"""Training data for KVpop's stateless scorer (METHODS.md §49, ``methods.kvpop``): per (layer, KV head), what the
-cache holds of a token -> whether later queries attend to it most (keep) or not (drop).
+"""Training data for KVpop's stateless scorer (``methods.kvpop``, docs/methods_learned.md#kvpop): per (layer, KV head),
+what the cache holds of a token -> whether later queries attend to it most (keep) or not (drop).
 
-Target (§49): the attention mass token j receives from the queries at least ``window`` positions after it, summed
+Target (KVpop's): the attention mass token j receives from the queries at least ``window`` positions after it, summed
 over its GQA group's query heads, ``y_j = Σ_{t >= j + w} A_{t,j}``. It comes from one prefill that observes every
 query, a block of queries at a time: each block holds whole softmax rows, so the column sums are exact and no
-T x T map is ever held (§49's two-pass form tiles keys too; a block of rows needs no second pass). Labels: keep iff
+T x T map is ever held (a two-pass form would tile keys too; a block of rows needs no second pass). Labels: keep iff
 ``y_j`` is in the top ``keep`` share of the candidates of its (context, layer, KV head), the candidates being the
 tokens some query outside the window sees. Inferred (the paper's form is not known): the loss is binary
 cross-entropy weighted by ``1 + boost * exp(-|rank - cut| / (0.05 n))``, so the tokens near the keep boundary,

@@ -6,9 +6,9 @@ resumable), its loss curve, and its weights + card written where a recipe's ``ad
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
 
 from ..adapters import TARGETS, Adapter
 from ..methods import learned

@@ -1,9 +1,9 @@
-"""RestoreKV's training (METHODS.md §40, issue 17's ``restorekv``): restore embeddings and a LoRA adapter learn, by
-self-distillation from the frozen full-cache model, to write entries that carry what KVzip evicts.
+"""RestoreKV's training (docs/methods_learned.md#restorekv, issue 17's ``restorekv``): restore embeddings and a LoRA
+adapter learn, by self-distillation from the frozen full-cache model, to write entries that carry what KVzip evicts.
 
 Each offline context (``train.kvzap.contexts``) is split into a prompt and the ``continuation`` tokens after it.
-``restorekv`` with the initial weights compresses the prompt at each training budget (the library's own compression: the kept
-positions come from ``CompressedModel.held_positions``). The trained model then reads, in one dense pass
+``restorekv`` with the initial weights compresses the prompt at each training budget (the library's own compression:
+the kept positions come from ``CompressedModel.held_positions``). The trained model then reads, in one dense pass
 (``eval.analysis.masked``, equal to the paged path forward): the prompt (adapter off), the restore embeddings
 (adapter on, reading the whole prompt), and the continuation (adapter off), which sees the kept prompt tokens and
 the restore entries; the loss is the KL divergence of its next-token distribution over the continuation from the

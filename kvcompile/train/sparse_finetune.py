@@ -1,16 +1,16 @@
-"""Fine-tuning under a compression policy (KeysAndValues, METHODS.md §21; issue 17's ``sparse-finetune``): a LoRA
-adapter (``kvcompile.adapters``) learns to read the cache a recipe leaves, by self-distillation from the frozen
-full-cache model.
+"""Fine-tuning under a compression policy (KeysAndValues, docs/methods_learned.md#sparse-finetune-h2o; issue 17's
+``sparse-finetune``): a LoRA adapter (``kvcompile.adapters``) learns to read the cache a recipe leaves, by
+self-distillation from the frozen full-cache model.
 
 Each offline context (``train.kvzap.contexts``) is split into a prompt and the ``continuation`` tokens that follow
 it. The recipe compresses the prompt at the budget (the library's own compression, through ``kvcompile.apply`` on
 the frozen model: the kept positions come from ``CompressedModel.held_positions``); the adapted model then reads
 prompt + continuation in one dense pass where the continuation sees only what was kept
-(``eval.analysis.masked``, equal to the paged path forward), and the loss is the KL divergence of its next-token distribution over the continuation
-from the full-cache model's. Held-out contexts measure the result through the served path: the recipe applied to
-the adapted (merged) model, against the frozen model at budget 1.0. The kept positions are those of the frozen
-model (inferred: KeysAndValues trains the model while it evicts; here the selection is not recomputed during
-training, and at serving time the adapted model selects for itself).
+(``eval.analysis.masked``, equal to the paged path forward), and the loss is the KL divergence of its next-token
+distribution over the continuation from the full-cache model's. Held-out contexts measure the result through the
+served path: the recipe applied to the adapted (merged) model, against the frozen model at budget 1.0. The kept
+positions are those of the frozen model (inferred: KeysAndValues trains the model while it evicts; here the
+selection is not recomputed during training, and at serving time the adapted model selects for itself).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from tqdm import tqdm
 from ..adapters import Adapter
 from ..eval.analysis.masked import kept, masking
 from .kvzap import contexts
-from .lora import train_lora
 from .loop import Schedule
+from .lora import train_lora
 
 
 def examples(model, tokenizer, recipe: str, budget: float, lengths, per_length: int, continuation: int, seed: int,

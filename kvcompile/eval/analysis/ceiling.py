@@ -1,11 +1,11 @@
-"""The "Trust the Mass" ceiling (METHODS.md §48): how much closer to full attention can *any* s kept keys get
-than the s keys with the largest attention weights?
+"""The "Trust the Mass" ceiling (docs/eval.md#ceiling-analysis-kvcompileevalanalysis-kvcompile-analyze-ceiling): how
+much closer to full attention can *any* s kept keys get than the s keys with the largest attention weights?
 
 ABSTRACT-ONLY / INFERRED. arXiv 2608.25230's abstract gives the claims (the exact best subset closes a median
-2–5% of top-mass's remaining gap; a "balancing" selector sits at the floor); the rest is §48's inferred
+2–5% of top-mass's remaining gap; a "balancing" selector sits at the floor); the rest is our inferred
 specification, and these choices are ours: the candidate sets (``candidates``: exact enumeration only for
 s <= 8 within the heaviest keys, bounds above), the balancing selector's k and swap limit, and the certificate
-(``hyperplane_bound``), which replaces §48's mass-interval bound because that one is 0 on every row.
+(``hyperplane_bound``), which replaces the mass-interval bound because that one is 0 on every row.
 
 One attention row (batched over R rows here, float64): weights ``a`` [R, n] (softmax over all keys; 0 for keys
 the query cannot see), values ``V`` [R, n, D], ``o = a @ V``. Keep-and-renormalise over S:
@@ -121,7 +121,7 @@ def swap_search(G: Tensor, a: Tensor, keep: Tensor, eligible: Tensor, max_swaps:
 
 
 def balancing(G: Tensor, a: Tensor, s: int, eligible: Tensor, max_swaps: int) -> tuple[Tensor, Tensor]:
-    """§48's balancing selector *(inferred reading of the name; k = max(1, s // 4) is our choice)*: the top
+    """The balancing selector *(inferred reading of the name; k = max(1, s // 4) is our choice)*: the top
     s - k by mass, then k keys added one at a time, each the one that brings o_S closest to o, then
     ``swap_search`` over every ``eligible`` key. An upper bound on the best subset of all keys."""
     keep, k = top_mass(a, s - max(1, s // 4)), max(1, s // 4)
@@ -145,8 +145,8 @@ def hyperplane_bound(U: Tensor, a: Tensor, cand: Tensor, s: int, directions: lis
     Dinkelbach with sorting solves exactly; an unsettled theta is corrected by ``min(F(theta), 0) / m_min``, so
     the bound stays valid. Max over ``directions``.
 
-    Departure from §48 *(ours)*: its mass-interval QP bound is 0 on every row (``z = s/n`` is feasible with
-    residual 0), and any bound from linear functionals over all keys is 0 too, because o is the
+    Departure from the inferred specification *(ours)*: its mass-interval QP bound is 0 on every row (``z = s/n`` is
+    feasible with residual 0), and any bound from linear functionals over all keys is 0 too, because o is the
     ``m_S``-weighted mean of the ``o_S`` over all s-subsets; over candidates o can lie off their span or hull."""
     Uc = U.gather(1, cand[..., None].expand(-1, -1, U.shape[-1]))
     ac = a.gather(1, cand)
@@ -179,7 +179,7 @@ def candidates(s: int, n: int, exact_max: int = 8, max_subsets: int = 2**17) -> 
 
 
 def analyse(a: Tensor, V: Tensor, budgets=BUDGETS, *, exact_max: int = 8, max_swaps: int = 16) -> dict:
-    """Every §48 quantity for rows ``a`` [R, n], ``V`` [R, n, D] (computed in float64).
+    """Every quantity of the analysis for rows ``a`` [R, n], ``V`` [R, n, D] (computed in float64).
 
     Returns ``{"o2": |o|^2 [R], s: {...}}`` for each budget s below the fewest visible keys, each entry [R]:
     ``top``, ``exact``, ``bound``, ``balancing`` (E of top-mass; of the best subset of the candidates, NaN above

@@ -97,7 +97,7 @@ def _fmt(v, spec: str = ".3f") -> str:
 def markdown(result: dict, model: str, command: str) -> str:
     cfg, t = result["config"], result["timing"]
     lines = [
-        f"# Ceiling analysis: {model} (METHODS.md §48, ABSTRACT-ONLY / INFERRED)", "",
+        f"# Ceiling analysis: {model} (ABSTRACT-ONLY / INFERRED)", "",
         f"```bash\n{command}\n```", "",
         f"{cfg['rows']} attention rows ({cfg['contexts']} prose windows of {cfg['length']} tokens, the last "
         f"{cfg['window']} queries, every layer and query head); {t['total_s']:.0f} s in all, {t['analysis_s']:.0f} s "
@@ -147,7 +147,7 @@ def plot(result: dict, model: str, path: Path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{model}: {result['config']['rows']} attention rows, keep-and-renormalise (inferred §48)")
+    fig.suptitle(f"{model}: {result['config']['rows']} attention rows, keep-and-renormalise (inferred)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

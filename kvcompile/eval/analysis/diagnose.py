@@ -1,5 +1,5 @@
-"""Failure diagnosis (issue 20 item 4; METHODS.md §53, KVDiagnosis, INFERRED: the paper was not found, so the
-selection, diagnostics and intervention below are the method notes' reading of its abstract).
+"""Failure diagnosis (issue 20 item 4; KVDiagnosis, INFERRED: the paper was not found, so the
+selection, diagnostics and intervention below are our reading of its description).
 
 Per (recipe, budget) and needle sample, the full cache and the compressed one answer the same prompt (the
 document compressed before the question is read, the library's default). Rows are classed by outcome against the
@@ -37,7 +37,7 @@ from ..synthetic import get_task, make_sample
 from . import masked, tables
 
 ANSWER_SLACK = 4  # answers decode at most the gold answer's tokens plus this many (the score is a string match)
-FACTOR = 4.0  # METHODS.md §53: a 4x boost, ln 4 on the logits
+FACTOR = 4.0  # KVDiagnosis's 4x boost, ln 4 on the logits
 OUTCOMES = ("C->W", "W->C", "C->C", "W->W")
 PAPER = {"boost": 0.292, "sham": 0.063}  # share of failures repaired (KVDiagnosis abstract, via the issue)
 
@@ -229,7 +229,7 @@ def markdown(result: dict, model: str, command: str) -> str:
         f"boost / sham flips = rows answered correctly with ln {cfg['factor']:g} on the held evidence entries / on "
         f"as many random held non-evidence entries per (layer, KV head): {share}")
     return "\n".join([
-        f"# Failure diagnosis: {model} (METHODS.md §53, KVDiagnosis, INFERRED: paper not found)", "",
+        f"# Failure diagnosis: {model} (KVDiagnosis, INFERRED: paper not found)", "",
         f"```bash\n{command}\n```", "",
         f"{cfg['n_samples']} samples per task at {cfg['length']} tokens, seed {cfg['seed']}; {t['total_s']:.0f} s in "
         f"all (2 shared CPU cores, under contention). {explanation}", "", *tables.markdown(rows, COLUMNS), ""])

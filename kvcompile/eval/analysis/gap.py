@@ -1,5 +1,5 @@
-"""Answer-evidence gap (issue 20 item 5; METHODS.md §54, INFERRED: the paper was not found; this is the method
-notes' answer-chain consistency, without its fixed-trace replay and perturbation parts).
+"""Answer-evidence gap (issue 20 item 5; INFERRED: the paper was not found; this is the
+description's answer-chain consistency, without its fixed-trace replay and perturbation parts).
 
 The task carries a fixed supporting chain: ``VAR A = 52817. VAR B = VAR A. VAR C = VAR B. ...`` (``hops``
 copies), spread through filler with a distractor chain of other names and another value, and asks for the value of
@@ -29,8 +29,8 @@ from tqdm import tqdm
 from ...model import CompressedModel
 from ..decoding import answer, encode, ids_tensor, read_question
 from ..samples import Sample, Task, string_match_all
-from ..synthetic import _FILLER, make_sample
 from ..sweep import grid, shared_base
+from ..synthetic import _FILLER, make_sample
 from . import diagnose, masked, tables
 
 HOPS = 3
@@ -155,7 +155,7 @@ COLUMNS = [("recipe", "s"), ("budget", "s"), ("n", "d"), ("score", ".2f"), ("con
 def markdown(result: dict, model: str, command: str) -> str:
     cfg, t = result["config"], result["timing"]
     return "\n".join([
-        f"# Answer-evidence gap: {model} (METHODS.md §54, INFERRED: paper not found)", "",
+        f"# Answer-evidence gap: {model} (INFERRED: paper not found)", "",
         f"```bash\n{command}\n```", "",
         f"{cfg['n_samples']} samples of a {cfg['hops']}-hop chain ({cfg['hops'] + 1} facts, one distractor chain) at "
         f"{cfg['length']} tokens, seed {cfg['seed']}; {t['total_s']:.0f} s in all (2 shared CPU cores, under "

@@ -80,8 +80,9 @@ def kept(held_positions: Tensor, n: int) -> Tensor:
 
 class MaskedModel:
     """The plain ``model`` over a prefilled document ``cache`` (a ``DynamicCache``, copied), attending to the
-    entries ``keep`` [L, Hkv, n] marks, with ``bias`` [L, Hkv, n] (or None) added to their logits. ``prefill`` / ``decode`` return logits as ``CompressedModel``'s do, so the
-    evaluation read-out (``decoding.answer``) drives it; call them inside ``masking(model)``."""
+    entries ``keep`` [L, Hkv, n] marks, with ``bias`` [L, Hkv, n] (or None) added to their logits. ``prefill`` /
+    ``decode`` return logits as ``CompressedModel``'s do, so the evaluation read-out (``decoding.answer``) drives it;
+    call them inside ``masking(model)``."""
 
     def __init__(self, model, keep: Tensor, cache: DynamicCache, bias: Tensor | None = None):
         self.model, self.keep, self.bias, self.cache = model, keep, bias, copy.deepcopy(cache)

@@ -1,4 +1,4 @@
-"""Nominal vs enforced budgets (issue 20 item 3; METHODS.md §1, ABSTRACT-ONLY / INFERRED): a per-head method's
+"""Nominal vs enforced budgets (issue 20 item 3; ContourKV's abstract only: INFERRED): a per-head method's
 score and bytes in three storage layouts of the same document, on the needle tasks.
 
 - ``mask``: the method's own selection stored as a mask over the full cache (``masked``: the plain model attends
@@ -19,6 +19,7 @@ import dataclasses
 import time
 
 import torch
+
 from ...model import CompressedModel
 from ...recipes import Recipe, get_recipe
 from ..decoding import answer, ids_tensor, read_question
@@ -50,7 +51,7 @@ def sample_rows(base: CompressedModel, plain, cells: list, context: list[int],
     is the plain model's cache of it."""
     rows, q = [], ids_tensor(question, base.device)
     for recipe, budget in cells:
-        ragged = None  # the ragged layout's compressed model: the mask layout reads its selection
+        ragged = ragged_stats = selection = None  # the ragged layout's model, stats and selection: the mask reads them
         for layout in ("ragged",) if budget.is_full else LAYOUTS:
             t0 = time.perf_counter()
             row = {"recipe": recipe.tag, "budget": str(budget), "layout": layout}
@@ -79,7 +80,8 @@ def sample_rows(base: CompressedModel, plain, cells: list, context: list[int],
             rows.append(row | {"wall_s": time.perf_counter() - t0})
     same = {r["budget"] + r["recipe"]: r.get("tokens") for r in rows if r["layout"] == "ragged"}
     for r in rows:  # whether the mask layout answered what the ragged one did (they attend to the same entries)
-        r["same_as_ragged"] = None if r.get("tokens") is None else float(r["tokens"] == same.get(r["budget"] + r["recipe"]))
+        r["same_as_ragged"] = (None if r.get("tokens") is None
+                               else float(r["tokens"] == same.get(r["budget"] + r["recipe"])))
     return rows
 
 
@@ -133,5 +135,5 @@ def markdown(result: dict, model: str, command: str) -> str:
     cols = [("task", "s"), ("recipe", "s"), ("budget", "s"), ("n", "d"), ("mask", ".2f"), ("ragged", ".2f"),
             ("rectangular", ".2f"), ("rectangular delta", "+.1f"), ("mask bytes", "kib"), ("ragged bytes", "kib"),
             ("rectangular bytes", "kib"), ("budget bytes", "kib"), ("mask = ragged", ".2f")]
-    return tables.report(f"Nominal vs enforced budgets: {model} (METHODS.md §1, ABSTRACT-ONLY / INFERRED)", command,
+    return tables.report(f"Nominal vs enforced budgets: {model} (ABSTRACT-ONLY / INFERRED)", command,
                          result, explanation, result["table"], cols)

@@ -1,4 +1,4 @@
-"""Query-leak decomposition (issue 20 item 2; METHODS.md §1, ABSTRACT-ONLY / INFERRED): one method at one budget
+"""Query-leak decomposition (issue 20 item 2; ContourKV's abstract only: INFERRED): one method at one budget
 run three ways on the same needle prompt (a document, then a question), as the ContourKV paper's Table 5:
 
 - ``query-aware``: the whole prompt is prefilled, then compressed; the ranking reads the question's queries and
@@ -125,5 +125,5 @@ def markdown(result: dict, model: str, command: str) -> str:
             ("restricted", ".2f"), ("boundary", ".2f"), ("restricted delta", "+.1f"), ("boundary delta", "+.1f"),
             ("query-aware bytes", "kib"), ("restricted bytes", "kib"), ("boundary bytes", "kib"),
             ("question kept (aware)", ".2f")]
-    return tables.report(f"Query-leak decomposition: {model} (METHODS.md §1, ABSTRACT-ONLY / INFERRED)", command,
+    return tables.report(f"Query-leak decomposition: {model} (ABSTRACT-ONLY / INFERRED)", command,
                          result, explanation, result["decomposition"], cols)

@@ -8,7 +8,7 @@ the ring's post-RoPE queries, and ``Observation.window_attention`` the softmax r
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
