@@ -125,8 +125,8 @@ def check_kernels(device, gen, flex):
                                                    reference.paged_attention(*args, log_weights=w)), tol[dtype])
         cache = random_cache(2, 4, zipf_lengths(8, 300, gen).view(2, 4), 16, 128, dtype, gen, device)
         q = torch.randn(2, 16, 1, 128, generator=gen).to(device, dtype)
-        # ThinK's and TQ3's pages included; SPECTRA's and AnchorKV's rows have no Triton kernel (read in PyTorch)
-        for name in [n for n, f in FORMATS.items() if not f.decoded] if dtype == torch.float32 else ():
+        # every format whose codecs have a Triton layout (the rest are read in PyTorch)
+        for name in [n for n, f in FORMATS.items() if f.triton_reads] if dtype == torch.float32 else ():
             stored, empty = as_format(cache, name)
             args = (q, torch.full((2, 1), 2000, device=device), cache.k_pages, cache.v_pages, cache.page_pos,
                     cache.page_table[0], empty, 128**-0.5, 0)

@@ -135,7 +135,7 @@ def _attend(
         return out.contiguous()
     if backend == "flex":
         return _flex_decode(args, page_lw)
-    if backend == "auto" and _on_gpu(q) and not stored.decoded:  # latent or anchored rows: PyTorch below
+    if backend == "auto" and _on_gpu(q) and (stored.empty or stored.triton_reads(q.shape[-1])):
         # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
 

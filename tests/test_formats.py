@@ -38,7 +38,10 @@ def test_codec_round_trips_within_its_bound_and_re_encodes_to_itself(name):
         bound = codec.error_bound(x)
         assert bool(((x - y).abs() <= bound).all()), f"{name}: error {(x - y).abs().max()} above its bound"
         again, meta2 = codec.encode(y)
-        assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8)), "row-local: re-encoding is exact"
+        if codec.exact_reencode:
+            assert torch.equal(again.view(torch.uint8), codes.view(torch.uint8)), "re-encoding is exact"
+        else:  # rows move between pages as bytes, so nothing re-encodes them; a re-encoding still stays in bound
+            assert bool(((codec.decode(again, meta2, torch.float32) - y).abs() <= codec.error_bound(y)).all())
         assert type(codec_of(codes, meta, D)) is type(codec) and torch.equal(
             codec_of(codes, meta, D).decode(codes, meta, torch.float32), y), "the stored tensors name their codec"
         assert codes[0, 0].nbytes + meta[0, 0].nbytes == codec.row_bytes(D), "row_bytes is what a row stores"

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..methods.anchorkv import AnchorKV
 from ..methods.rope import rotate
+from .codec import Stored
 from .hadamard import fwht
 from .packing import pack, unpack
 
@@ -43,6 +44,10 @@ class AnchorCodec:
 
     page_local = False
     window = AnchorKV.window  # observed queries the choice of anchors and utilities reads
+
+    @classmethod
+    def reading(cls, s: Stored) -> AnchorCodec | None:
+        return cls() if s.dtype == torch.int16 else None
 
     def row_bytes(self, head_dim: int) -> int:
         return 6

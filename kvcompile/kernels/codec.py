@@ -3,8 +3,22 @@ a tile and multiplies."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+
+class Stored(NamedTuple):
+    """What stored tensors say of the codec that wrote them: codes' dtype and width, metadata's width and dtype, and
+    the rows' head dim. Every codec class answers ``reading(stored)`` with itself, configured, or None: no two
+    codecs store alike, so the programs need no format argument (``formats.codec_of``)."""
+
+    dtype: torch.dtype
+    width: int
+    meta_width: int
+    meta_dtype: torch.dtype
+    head_dim: int
 
 
 class Codec:
@@ -26,6 +40,7 @@ class RowCodec(Codec):
     """A row-local codec: every row carries its own metadata, so rows move between pages as bytes."""
 
     page_local = False
+    exact_reencode = True  # a decoded row encodes back to the same bytes (a scale read from the row's range)
 
     def page_meta_bytes(self, head_dim: int) -> int:
         return 0

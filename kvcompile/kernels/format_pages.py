@@ -58,6 +58,14 @@ class FormatPages(NamedTuple):
         """Rows that decode against a table (``latent``, ``anchored``): read by the PyTorch path on every device."""
         return self.latent or self.anchored
 
+    def triton_reads(self, head_dim: int) -> bool:
+        """Whether the Triton decode reads this pool: each of its codecs says how (``triton_layout``); rows that
+        decode against a table, or a codec without a layout, are read by the PyTorch path on every device."""
+        if self.decoded:
+            return False
+        return all(hasattr(codec_of(codes, meta, head_dim), "triton_layout")
+                   for codes, meta in ((self.k, self.k_meta), (self.v, self.v_meta)))
+
     def dense(self, head_dim: int, dtype: torch.dtype, pages: slice = slice(None)):
         """Decoded keys, values [B, Hkv, S, D], positions and valid [B, Hkv, S] of the page-table columns
         ``pages`` (S = their pages * P): a tile of the pool, decoded where it is read."""

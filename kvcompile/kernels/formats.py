@@ -37,7 +37,7 @@ from torch import Tensor
 
 from . import latent
 from .anchored import AnchorCodec
-from .codec import RowCodec
+from .codec import RowCodec, Stored
 from .integer import ChannelCodec, IntCodec
 from .latent import LatentCodec
 from .packing import fp8_values
@@ -52,6 +52,12 @@ class FloatCodec(RowCodec):
     """Rows cast to a narrower float dtype (no metadata)."""
 
     dtype: torch.dtype
+
+    @classmethod
+    def reading(cls, s: Stored) -> FloatCodec | None:
+        """Whole rows in a float dtype (fewer channels: ``PrunedCodec``)."""
+        floats = (torch.float16, torch.bfloat16, torch.float32)
+        return cls(s.dtype) if s.dtype in floats and s.width == s.head_dim else None
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x.to(self.dtype), x.new_zeros(*x.shape[:-1], 0, dtype=torch.float32)
@@ -75,6 +81,10 @@ class FloatCodec(RowCodec):
 @dataclass(frozen=True)
 class Fp8Codec(RowCodec):
     """float8 e4m3fn codes with one fp32 scale per row (the row's absolute max maps to 448)."""
+
+    @classmethod
+    def reading(cls, s: Stored) -> Fp8Codec | None:
+        return cls() if s.dtype == torch.float8_e4m3fn else None
 
     def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
         """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
@@ -157,6 +167,11 @@ class PageFormat:
         on every device, no kernel does (as ``FormatPages.decoded``)."""
         return self.latent or self.anchored
 
+    @property
+    def triton_reads(self) -> bool:
+        """Whether the Triton decode reads these pages: each codec says how (``triton_layout``)."""
+        return all(hasattr(c, "triton_layout") for c in (self.key, self.value))
+
     def token_bytes(self, head_dim: int, page_size: int = 1) -> float:
         """Bytes of K plus V of one stored token, a page's metadata shared by its ``page_size`` tokens."""
         return self.page_bytes(head_dim, page_size) / page_size
@@ -204,13 +219,18 @@ def codec_of(codes: Tensor, meta: Tensor, head_dim: int):
 
 @functools.cache
 def _codec(dtype: torch.dtype, width: int, meta_width: int, head_dim: int, meta_dtype: torch.dtype):
-    if dtype == torch.int16:
-        return AnchorCodec()
-    if meta_dtype == torch.float32 and dtype == torch.uint8:  # TQ3's page scales
-        return TQ3Keys() if meta_width == 1 else TQ3Values()
-    if dtype in (torch.float16, torch.bfloat16, torch.float32):
-        return PrunedCodec(head_dim=head_dim, dtype=dtype) if width < head_dim else FloatCodec(dtype)
-    if dtype == torch.float8_e4m3fn:
-        return Fp8Codec()
-    bits, groups = 8 * width // head_dim, meta_width // 2
-    return ChannelCodec(bits) if groups == head_dim else IntCodec(bits, head_dim // groups)
+    stored = Stored(dtype, width, meta_width, meta_dtype, head_dim)
+    found = [codec for cls in _codec_classes() if (codec := getattr(cls, "reading", _none)(stored)) is not None]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} codecs read rows stored as {stored} (one must): {found}")
+    return found[0]
+
+
+def _none(stored: Stored) -> None:
+    return None
+
+
+@functools.cache
+def _codec_classes() -> tuple[type, ...]:
+    """Every codec class a registered format uses."""
+    return tuple(dict.fromkeys(type(c) for f in FORMATS.values() for c in (f.key, f.value)))

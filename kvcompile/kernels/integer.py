@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .codec import Codec, RowCodec
+from .codec import Codec, RowCodec, Stored
 from .packing import pack, unpack
 
 SCALE_FLOOR = 2.0**-20  # smallest fp16 scale kept: a constant group decodes to its minimum
@@ -23,6 +23,15 @@ class IntCodec(RowCodec):
 
     bits: int
     group: int
+
+    @classmethod
+    def reading(cls, s: Stored) -> IntCodec | None:
+        """uint8 codes with an fp16 scale and minimum per group of channels (per channel over a page:
+        ``ChannelCodec``)."""
+        groups = s.meta_width // 2
+        if s.dtype != torch.uint8 or s.meta_dtype != torch.float16 or s.meta_width % 2 or not 0 < groups < s.head_dim:
+            return None
+        return cls(8 * s.width // s.head_dim, s.head_dim // groups)
 
     def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
         """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
@@ -104,6 +113,12 @@ class ChannelCodec(Codec):
 
     bits: int
     page_local = True
+
+    @classmethod
+    def reading(cls, s: Stored) -> ChannelCodec | None:
+        if s.dtype != torch.uint8 or s.meta_dtype != torch.float16 or s.meta_width != 2 * s.head_dim:
+            return None
+        return cls(8 * s.width // s.head_dim)
 
     def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
         """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""

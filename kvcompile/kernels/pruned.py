@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..methods.think import ThinK
+from .codec import Stored
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class PrunedCodec:
     dtype: torch.dtype = torch.float32
     page_local = True
     window = ThinK.window  # observed queries the choice of channels reads
+
+    @classmethod
+    def reading(cls, s: Stored) -> PrunedCodec | None:
+        """Rows in a float dtype with fewer channels than the head dim."""
+        floats = (torch.float16, torch.bfloat16, torch.float32)
+        return cls(head_dim=s.head_dim, dtype=s.dtype) if s.dtype in floats and s.width < s.head_dim else None
 
     def channels(self, obs) -> Tensor:
         """[B, Hkv, W] the channels each head keeps, ThinK's choice from one layer's observation."""

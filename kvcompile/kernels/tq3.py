@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .codec import Stored
 from .hadamard import fwht
 from .packing import pack, unpack
 
@@ -34,6 +35,10 @@ class _Decoded:
 class TQ3Keys(_Decoded):
     """Keys: codes [N, P, 3D/8 + 2] (the 3-bit direction, then the fp16 norm's two bytes), meta [N, 1, 1] the
     page's scale."""
+
+    @classmethod
+    def reading(cls, s: Stored) -> TQ3Keys | None:
+        return cls() if s.dtype == torch.uint8 and s.meta_dtype == torch.float32 and s.meta_width == 1 else None
 
     def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
         """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""
@@ -74,6 +79,10 @@ class TQ3Keys(_Decoded):
 @dataclass(frozen=True)
 class TQ3Values(_Decoded):
     """Values: codes [N, P, 3D/8] of the rotated rows on the page's affine grid, meta [N, 1, 2] (scale, minimum)."""
+
+    @classmethod
+    def reading(cls, s: Stored) -> TQ3Values | None:
+        return cls() if s.dtype == torch.uint8 and s.meta_dtype == torch.float32 and s.meta_width == 2 else None
 
     def triton_layout(self, codes: Tensor, meta: Tensor, head_dim: int) -> tuple[int, int]:
         """How the Triton decode reads these rows: its ``_load_rows`` (BITS, GROUP) constants."""

@@ -240,9 +240,10 @@ def paged_decode(
     weighted = log_weights is not None and log_weights.shape[0] > 0
     pools = [(k_pages, None, v_pages, None, page_pos, page_table, lengths, weighted)]
     if stored is not None and not stored.empty:
-        if stored.decoded:  # ops reads latent and anchored pages in PyTorch on every device
-            raise NotImplementedError("latent and anchored pages have no Triton decode kernel yet")
-        pools.append((*stored[:7], False))
+        if not stored.triton_reads(D):  # ops reads them in PyTorch on every device
+            raise NotImplementedError("these pages have no Triton decode layout (their codecs' triton_layout)")
+        pools.append((stored.k, stored.k_meta, stored.v, stored.v_meta, stored.pos, stored.table, stored.lengths,
+                      False))
     splits = max_splits * len(pools)
     part_out = torch.empty(B, Hkv, G, splits, D, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(B, Hkv, G, splits, device=q.device, dtype=torch.float32)
