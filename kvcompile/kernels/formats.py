@@ -42,6 +42,7 @@ from .integer import ChannelCodec, IntCodec
 from .latent import LatentCodec
 from .packing import fp8_values
 from .pruned import PrunedCodec
+from .rotated import RotatedCodec
 from .tq3 import TQ3Keys, TQ3Values
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -188,6 +189,7 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("kivi2", ChannelCodec(2), _INT[2]),
     PageFormat("think", PrunedCodec(0.5), FloatCodec(torch.float32)),  # ThinK at rho = 0.5, values unchanged
     PageFormat("tq3", TQ3Keys(), TQ3Values()),  # Minima-KV's packed 3-bit pages
+    *(PageFormat(f"rot{b}", RotatedCodec(b), RotatedCodec(b)) for b in (2, 3)),  # Hadamard, Gaussian levels
     *(PageFormat(f"spectra{b}", LatentCodec(b, 32, rotary=True), LatentCodec(b, 32)) for b in (4, 3, 2)),
     PageFormat("saki4", LatentCodec(4, 32, rotary=True, basis="saki"), LatentCodec(4, 32, basis="identity")),
     PageFormat("anchor2", AnchorCodec(), AnchorCodec()),
