@@ -11,7 +11,6 @@ from torch import Tensor
 from .compress import WEIGHTED_STRATEGIES
 from .early_stop import EarlyStop
 from .kernels.formats import get_format
-from .methods.sources import Reconstruction
 
 
 def same_adapter(recipe, current) -> None:
@@ -175,7 +174,7 @@ def keep_last(n, seen: int, recipe, scorer, allocator) -> None:
     whose compression this does not support (a page format, an allocator that is not per token, a reconstruction)."""
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < seen:
         raise ValueError(f"keep_last must be an int in [0, {seen}) (tokens read), got {n!r}")
-    reconstructs = scorer is not None and any(isinstance(s, Reconstruction) for s in scorer.sources())
+    reconstructs = scorer is not None and any(s.reconstructs for s in scorer.sources())
     unsupported = {"a page format": recipe.format, "an allocator of pages or summaries": allocator.strategy != "tokens",
                    "a reconstruction pass": reconstructs}
     for what, used in unsupported.items():

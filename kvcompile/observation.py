@@ -21,69 +21,52 @@ from .attention_inputs import attention_inputs
 from .cache import PagedKVCache
 from .gradients import attention_output_gradients
 from .methods import Observation
-from .methods.sources import (
-    ContextTokens,
-    Gradients,
-    HiddenStates,
-    LayerWeights,
-    QueryWindow,
-    Question,
-    Reconstruction,
-    Restore,
-    Segments,
-    Source,
-)
+from .methods.sources import Source
 from .restoring import restore
 from .segments import segment_of
 from .spec import LayerSpec
-
-SUPPLIED = (QueryWindow, Reconstruction, ContextTokens, LayerWeights, Question, Segments, Gradients, HiddenStates,
-            Restore)
 
 
 def check(sources: tuple[Source, ...], who: str, layers: tuple[LayerSpec, ...] = ()) -> None:
     """Raise, naming the source, when ``who`` declares one the runtime does not supply, or (given the ``layers``)
     a layer weight the captured graph did not yield for every layer."""
     for source in sources:
-        if not isinstance(source, SUPPLIED):
-            raise NotImplementedError(
-                f"{who} reads {type(source).__name__}, which kvcompile does not supply yet "
-                f"(supplied: {', '.join(s.__name__ for s in SUPPLIED)})"
-            )
-        missing = [layer.index for layer in layers if isinstance(source, LayerWeights)
-                   and source.name not in layer.weights]
+        if not source.supplied:
+            raise NotImplementedError(f"{who} reads {type(source).__name__}, which kvcompile does not supply yet")
+        name = source.layer_weight
+        missing = [layer.index for layer in layers if name is not None and name not in layer.weights]
         if missing:
-            raise NotImplementedError(f"{who} reads the layer weight {source.name!r}, which the graph does not yield "
+            raise NotImplementedError(f"{who} reads the layer weight {name!r}, which the graph does not yield "
                                       f"for layers {missing} (found: {sorted(layers[0].weights)})")
 
 
 def keeps_ids(sources: tuple[Source, ...]) -> bool:
     """Whether the cache must log the token id of every position (``ContextTokens``)."""
-    return any(isinstance(s, ContextTokens) for s in sources)
+    return any(s.logs_ids for s in sources)
 
 
 def reads_question(sources: tuple[Source, ...]) -> bool:
     """Whether the scorer ranks by the question's queries (``Question``): ``generate(question, context_ids=...)`` then
     reads the context unobserved and compresses context and question together after the question, so the window
     holds the question alone; a compression without the question apart is refused."""
-    return any(isinstance(s, Question) for s in sources)
+    return any(s.after_question for s in sources)
 
 
 def window(sources: tuple[Source, ...]) -> int:
     """Queries per layer the observation ring must keep for these sources."""
-    return max((s.size for s in sources if isinstance(s, QueryWindow)), default=0)
+    return max((s.ring for s in sources), default=0)
 
 
 def reads_dense(sources: tuple[Source, ...]) -> bool:
     """Whether compression runs the source model densely over every token read (``Gradients``, ``HiddenStates``,
     ``Restore``): the context must then be read in one go, before any compression, by a model built from a source
     model (not a loaded artifact)."""
-    return any(isinstance(s, (Gradients, HiddenStates, Restore)) for s in sources)
+    return any(s.dense for s in sources)
 
 
 def restores(sources: tuple[Source, ...]) -> int:
     """Restore entries per (layer, KV head) the sources ask the runtime to write before compressing (``Restore``)."""
-    return sum(s.tokens for s in sources if isinstance(s, Restore))
+    return sum(s.restore_tokens for s in sources)
 
 
 def observe(cache: PagedKVCache, layer: LayerSpec, dense: dict | None = None) -> Observation:
@@ -131,19 +114,19 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
     if dense and reads_dense(sources) and not torch.equal(seen, real.sum(1).to(seen)):
         raise ValueError("a dense pass of the source model replays every token the cache read, but some were "
                          "compressed earlier: read the prompt in one prefill, before any compression")
-    if dense and any(isinstance(s, HiddenStates) for s in sources):
+    if dense and any(s.hidden for s in sources):
         supplied["hidden"] = attention_inputs(source, input_ids.to(cache.device), real.to(cache.device))
     n_restore = restores(sources)
     if dense and n_restore:  # entries that stay: the reconstruction comes after
         supplied["restored"] = (restore(cache, source, *scorer.restore_inputs()), n_restore)
         seen = cache.seen.clone()
-    if not any(isinstance(s, Reconstruction) for s in sources):
+    if not any(s.reconstructs for s in sources):
         yield supplied
         return
     ids, mask = scorer.reconstruction_prompt(input_ids, real)
     cache.ring.clear()
     prefill(ids, mask.to(cache.device))
-    if dense and any(isinstance(s, Gradients) for s in sources):
+    if dense and any(s.gradients for s in sources):
         supplied["gradients"] = _window_gradients(source, cache, torch.cat([input_ids, ids], 1),
                                                   torch.cat([real.bool(), mask.to(real.device).bool()], 1),
                                                   real.shape[1])

@@ -1,7 +1,8 @@
 """Observation sources: what a method reads at compression time beyond the held keys and values.
 
 A method declares its sources (``Scorer.sources``); the runtime supplies them through one mechanism
-(``kvcompile.observation``) and refuses, at ``apply``, a source it cannot supply yet.
+(``kvcompile.observation``) and refuses, at ``apply``, a source it cannot supply yet. Each source says what the
+runtime must do for it, as data (the ``Source`` attributes), so the runtime asks a source rather than its type.
 """
 
 from __future__ import annotations
@@ -11,7 +12,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Source:
-    """Something a method reads besides the held keys and values."""
+    """Something a method reads besides the held keys and values, and what supplying it takes (class attributes,
+    overridden by each source that needs one)."""
+
+    supplied = True  # the runtime supplies it (False: refused at ``apply``)
+    ring = 0  # queries per layer the observation ring must keep
+    logs_ids = False  # the cache logs the token id of every position
+    after_question = False  # the context is read unobserved and compressed after the question, which the ring holds
+    reconstructs = False  # a prompt of the method's is prefilled before scoring and dropped after
+    dense = False  # one dense pass of the source model over every token read (the context read in one prefill)
+    hidden = False  # that pass yields each layer's attention input
+    gradients = False  # a dense backward pass yields the gradients at the reconstruction prompt's queries
+    restore_tokens = 0  # entries per (layer, KV head) written before compressing
+    layer_weight = None  # the name of a weight of every layer that the captured graph must yield
 
 
 @dataclass(frozen=True)
@@ -20,21 +33,31 @@ class QueryWindow(Source):
 
     size: int
 
+    @property
+    def ring(self) -> int:
+        return self.size
+
 
 @dataclass(frozen=True)
 class Reconstruction(Source):
     """A prompt (``Scorer.reconstruction_prompt``) prefilled after the context before scoring, its queries alone in
     the window, its tokens dropped again after compression (KVzip's context reconstruction)."""
 
+    reconstructs = True
+
 
 @dataclass(frozen=True)
 class Question(Source):
     """The question's queries alone in the window, read apart from the context (``observation.reads_question``)."""
 
+    after_question = True
+
 
 @dataclass(frozen=True)
 class ContextTokens(Source):
     """The token id of every held entry: ``Observation.token_ids`` [B, Hkv, S]."""
+
+    logs_ids = True
 
 
 @dataclass(frozen=True)
@@ -51,6 +74,10 @@ class LayerWeights(Source):
 
     name: str
 
+    @property
+    def layer_weight(self) -> str:
+        return self.name
+
 
 def output_projection(obs):
     """[hidden, Hq, D] the ``"o_proj"`` weight of an observation split by query head (what head r's attention output
@@ -65,6 +92,8 @@ class HiddenStates(Source):
     entry: ``Observation.hidden`` [B, Hkv, S, hidden], from one dense forward pass of the source model over the
     context (``kvcompile.attention_inputs``), so the context is read in one prefill."""
 
+    dense = hidden = True
+
 
 @dataclass(frozen=True)
 class Restore(Source):
@@ -74,11 +103,18 @@ class Restore(Source):
     kept before anything else and charged to the budget (RestoreKV)."""
 
     tokens: int
+    dense = True
+
+    @property
+    def restore_tokens(self) -> int:
+        return self.tokens
 
 
 @dataclass(frozen=True)
 class ExtraPass(Source):
     """A second forward pass over the context with a method's own inputs (not supplied yet)."""
+
+    supplied = False
 
 
 @dataclass(frozen=True)
@@ -86,3 +122,5 @@ class Gradients(Source):
     """For each observed query of a ``Reconstruction`` prompt, the norm of the gradient of the squared last hidden
     states at that prompt with respect to the query's attention output (``Observation.query_gradients``), from one
     dense backward pass of the source model (``kvcompile.gradients``)."""
+
+    dense = gradients = True
