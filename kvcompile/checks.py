@@ -8,9 +8,9 @@ import math
 import torch
 from torch import Tensor
 
-from .compress import WEIGHTED_STRATEGIES
 from .early_stop import EarlyStop
 from .kernels.formats import get_format
+from .methods.base import PAGES, TOKENS
 
 
 def same_adapter(recipe, current) -> None:
@@ -129,7 +129,7 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
     model's layers, a recipe that evicts nothing under a budget below what it stores, and a page format with what
     it does not support yet."""
     allocator.check(spec.num_layers)
-    if recipe.merge and allocator.strategy in WEIGHTED_STRATEGIES:
+    if recipe.merge and allocator.strategy.weighted:
         raise ValueError(f"recipe {recipe.name!r} merges evicted values beside a summarising allocator, whose "
                          "summary already stands for them; use one or the other")
     if recipe.format is None:
@@ -138,9 +138,9 @@ def recipe(recipe, allocator, budget, spec, page_size: int) -> None:
         return
     unsupported = {"a decode-time schedule": recipe.decode, "key re-rotation": recipe.rerotate_keys,
                    "value merging": recipe.merge,
-                   "an allocator of whole pages": allocator.strategy == "pages",
+                   "an allocator of whole pages": allocator.strategy == PAGES,
                    "a summarising allocator (its weighted entries live in the model-dtype pool only)":
-                       allocator.strategy in WEIGHTED_STRATEGIES}
+                       allocator.strategy.weighted}
     for what, used in unsupported.items():
         if used:
             raise NotImplementedError(f"recipe {recipe.name!r}: {what} does not work with {recipe.format} pages yet")
@@ -164,9 +164,9 @@ def dense_pass(recipe, source, prefill_chunk, schedule, allocator, restores: int
     if restores and not hasattr(getattr(source, "config", None), "num_hidden_layers"):
         raise NotImplementedError(f"recipe {recipe.name!r} runs its restore pass on a transformers causal LM "
                                   f"(inputs_embeds, past_key_values); got {type(source).__name__}")
-    if restores and (allocator.strategy != "tokens" or recipe.format is not None):
+    if restores and (allocator.strategy != TOKENS or recipe.format is not None):
         raise NotImplementedError(f"recipe {recipe.name!r} keeps its restore entries through a per-token allocator in "
-                                  f"the model's dtype, not {allocator.strategy!r} / {recipe.format}")
+                                  f"the model's dtype, not {allocator.strategy.name!r} / {recipe.format}")
 
 
 def keep_last(n, seen: int, recipe, scorer, allocator) -> None:
@@ -175,7 +175,7 @@ def keep_last(n, seen: int, recipe, scorer, allocator) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < seen:
         raise ValueError(f"keep_last must be an int in [0, {seen}) (tokens read), got {n!r}")
     reconstructs = scorer is not None and any(s.reconstructs for s in scorer.sources())
-    unsupported = {"a page format": recipe.format, "an allocator of pages or summaries": allocator.strategy != "tokens",
+    unsupported = {"a page format": recipe.format, "an allocator of pages or summaries": allocator.strategy != TOKENS,
                    "a reconstruction pass": reconstructs}
     for what, used in unsupported.items():
         if n and used:

@@ -1,8 +1,9 @@
 """Prefill compression: score -> allocate -> plan (by the allocator's declared strategy) -> ``PagedKVCache.keep``.
 
-Strategies (``STRATEGIES``, named by ``methods.Allocator.strategy``): ``tokens`` keeps each head's top tokens;
-``pages`` allocates and keeps whole pages (scores projected onto pages by their max); ``tail-summary`` spends the
-last counted slot of a head that evicts on one new weighted entry summarising its evicted tail. Every one ends in a
+Strategies (``PLANNERS``, one per ``methods.Strategy`` an allocator declares): ``tokens`` keeps each head's top
+tokens; ``pages`` allocates and keeps whole pages (scores projected onto pages by their max); ``tail-summary``
+spends the last counted slot of a head that evicts on one new weighted entry summarising its evicted tail;
+``prototypes`` and ``memory`` let the allocator choose kept tokens and weighted entries. Every one ends in a
 ``plan.Plan`` whose budget holds after page rounding. With a page format, tokens cost what the format stores
 (``PagedKVCache.stored_token_bytes``) and the plan stores every kept entry in it: one byte budget spent on
 eviction and quantization together.
@@ -21,7 +22,7 @@ from .cache import PagedKVCache
 from .encoding import encoder_of
 from .kernels.formats import get_format
 from .methods import Allocator, Scorer
-from .methods.base import is_pinned
+from .methods.base import MEMORY, PAGES, PROTOTYPES, TAIL_SUMMARY, TOKENS, is_pinned
 from .observation import observe
 from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
 from .spec import LayerSpec
@@ -153,7 +154,7 @@ def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers, lengt
 
 def plan_memory(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
     """``token_counts`` per head, of which a head that evicts spends up to ``allocator.memory`` on memory entries
-    (``Allocator.summarize``) and keeps the rest by the allocator's own rule (``Allocator.retain``): CORE."""
+    (``memorize``) and keeps the rest by the allocator's own rule (``retain``)."""
     counts = token_counts(cache, allocator, scores, stats, budget_bytes, lengths)
     evicts = (counts < lengths) & (counts > 1)
     memory = torch.where(evicts, (counts - 1).clamp_max(allocator.memory), 0)
@@ -162,15 +163,13 @@ def plan_memory(cache, allocator, scores, stats, budget_bytes, layers, lengths) 
         obs = observe(cache, layer)
         s = scores[layer.index]
         kept.append(allocator.retain(obs, s, counts[layer.index] - memory[layer.index]))
-        rows.append(allocator.summarize(obs, (s > float("-inf")) & ~kept[-1], s, memory[layer.index]))
+        rows.append(allocator.memorize(obs, (s > float("-inf")) & ~kept[-1], s, memory[layer.index]))
     keys, values, positions, log_weights, written = (torch.stack(x) for x in zip(*rows))
     return Plan.of_mask(torch.stack(kept), new=NewEntries(keys, values, positions, written, log_weights))
 
 
-STRATEGIES = {"tokens": plan_tokens, "pages": plan_pages, "tail-summary": plan_tail_summary,
-              "prototypes": plan_prototypes, "memory": plan_memory}
-# strategies whose plans write weighted entries (``cache.weights``)
-WEIGHTED_STRATEGIES = frozenset({"tail-summary", "prototypes", "memory"})
+PLANNERS = {TOKENS: plan_tokens, PAGES: plan_pages, TAIL_SUMMARY: plan_tail_summary, PROTOTYPES: plan_prototypes,
+            MEMORY: plan_memory}  # the plan of each ``methods.Strategy``, with one signature
 
 
 def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, budget_bytes: Tensor, layers,
@@ -214,7 +213,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
         window = _padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes
-    strategy = STRATEGIES[allocator.strategy] if floor is None else partial(plan_tokens, floor=floor)
+    strategy = PLANNERS[allocator.strategy] if floor is None else partial(plan_tokens, floor=floor)
     plan = strategy(cache, allocator, scores, stats, budget_bytes, layers, lengths)
     if apart or bool(dead.any()):
         plan = Plan.of_mask(plan.kept(scores.shape[-1]) & ~dead | aside, new=plan.new)

@@ -18,7 +18,6 @@ from . import checks, observation, rerotation
 from . import segments as segmenting
 from .budget import Budget
 from .cache import PagedKVCache
-from .compress import WEIGHTED_STRATEGIES
 from .compress import compress as compress_cache
 from .forking import Forking
 from .generation import generate_tokens
@@ -64,7 +63,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
                               observation.restores(sources))
         self.cache = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.num_q_heads, spec.head_dim, dtype=spec.dtype,
                                   page_size=page_size, device=device, keep_ids=observation.keeps_ids(sources),
-                                  page_format=recipe.format, weighted=self.allocator.strategy in WEIGHTED_STRATEGIES,
+                                  page_format=recipe.format, weighted=self.allocator.strategy.weighted,
                                   basis=latent_basis(recipe.format, latent_moments, spec.rotary, spec.head_dim))
         if self.schedule is not None and budget.kind != "fraction":  # the cap is known now: check it fits
             self._fit_schedule(0)

@@ -86,7 +86,7 @@ def test_core_memory_is_exact_for_its_reference_query_and_retention_covers_keys(
     core = Core(memory=3)
     kept = core.retain(obs, scores, torch.full((B, Hkv), 10))
     assert kept.sum(-1).tolist() == [[10, 10]]
-    mk, mv, mpos, mlw, n = core.summarize(obs, ~kept, scores, torch.full((B, Hkv), 3))
+    mk, mv, mpos, mlw, n = core.memorize(obs, ~kept, scores, torch.full((B, Hkv), 3))
     assert n.tolist() == [[3, 3]] and (mlw != 0).all()
     for h in range(Hkv):
         k_all = torch.cat([keys[0, h][kept[0, h]], mk[0, h]])
@@ -95,7 +95,7 @@ def test_core_memory_is_exact_for_its_reference_query_and_retention_covers_keys(
         got = torch.softmax(k_all @ q[0, h, 0] * D**-0.5 + lw, 0) @ v_all
         want = torch.softmax(keys[0, h] @ q[0, h, 0] * D**-0.5, 0) @ values[0, h]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    unmerged = Core(memory=3, merged=False).summarize(obs, ~kept, scores, torch.full((B, Hkv), 3))
+    unmerged = Core(memory=3, merged=False).memorize(obs, ~kept, scores, torch.full((B, Hkv), 3))
     assert unmerged[-1].sum() == 0
 
     twin = torch.randn(D)

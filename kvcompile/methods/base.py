@@ -173,19 +173,31 @@ class Wrapper(Scorer):
         return self._base.reconstruction_prompt(input_ids, real)
 
 
+@dataclass(frozen=True)
+class Strategy:
+    """How the compression engine turns an allocator's choice into a plan (``compress.PLANNERS`` holds the code of
+    each), and which of the allocator's hooks it calls: ``TOKENS`` (default): keep each head's top ``allocate``
+    tokens. ``PAGES``: ``allocate`` gets page scores (the max over each page's tokens), pages held and a budget in
+    pages, returns pages, and whole pages are kept or evicted. ``TAIL_SUMMARY``: a head that evicts spends the last
+    of its counted slots on one new entry that summarises its evicted tail (``summarize``). ``PROTOTYPES``: the
+    allocator's ``prototypes`` returns the kept tokens and the weighted entries that stand for the others.
+    ``MEMORY``: per-head counts as ``TOKENS``; ``retain`` keeps tokens by the allocator's own rule and ``memorize``
+    writes up to ``memory`` weighted entries of what it evicts. ``weighted``: its plans write weighted entries
+    (``cache.weights``)."""
+
+    name: str
+    weighted: bool = False
+
+
+TOKENS, PAGES = Strategy("tokens"), Strategy("pages")
+TAIL_SUMMARY, PROTOTYPES, MEMORY = (Strategy(n, weighted=True) for n in ("tail-summary", "prototypes", "memory"))
+
+
 class Allocator:
-    """How many tokens each (layer, KV head) keeps under one budget per sequence.
+    """How many tokens each (layer, KV head) keeps under one budget per sequence; ``strategy`` (a ``Strategy``)
+    declares how the engine turns that into a plan and which hooks below it calls."""
 
-    ``strategy`` declares how the compression engine turns counts into a plan (``compress.STRATEGIES``):
-    ``TOKENS`` (default): keep each head's top ``allocate`` tokens. ``PAGES``: ``allocate`` gets page scores (the
-    max over each page's tokens), pages held and a budget in pages, returns pages, and whole pages are kept or
-    evicted. ``TAIL_SUMMARY``: a head that evicts spends the last of its counted slots on one new entry that
-    summarises its evicted tail, which ``summarize`` computes. ``prototypes`` (GraceKV): the allocator's
-    ``prototypes`` returns the kept tokens and the weighted entries that stand for the others. ``memory`` (CORE):
-    per-head counts as ``TOKENS``, the allocator's ``retain`` keeps tokens by its own rule and ``summarize`` writes up
-    to ``memory`` weighted entries of what it evicts. The last three write weighted entries (``cache.weights``)."""
-
-    strategy: ClassVar[str] = "tokens"
+    strategy: ClassVar[Strategy] = TOKENS
 
     def allocate(self, scores: Tensor, lengths: Tensor, budget: Tensor) -> Tensor:
         """scores [L, B, Hkv, S] (-inf where nothing is held), lengths [L, B, Hkv], budget [B] tokens per sequence

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Allocator, Observation, register_allocator
+from .base import TAIL_SUMMARY, Allocator, Observation, register_allocator
 from .shares import attention_mass
 
 _FLOOR = 30.0  # a summary of a tail the reference query does not see: this much less logit than the max
@@ -41,7 +41,7 @@ class CertKV(Allocator):
 
     iterations: int = 48  # bisection steps on lam
 
-    strategy = "tail-summary"
+    strategy = TAIL_SUMMARY
 
     def __post_init__(self):
         if self.iterations < 1:

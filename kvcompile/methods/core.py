@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Allocator, Observation, per_head_share, register_allocator
+from .base import MEMORY, Allocator, Observation, per_head_share, register_allocator
 from .certkv import reference_query
 from .shares import attention_mass
 
@@ -42,7 +42,7 @@ class Core(Allocator):
     delta: float = 0.1
     merged: bool = True
 
-    strategy = "memory"
+    strategy = MEMORY
 
     def __post_init__(self):
         if self.memory < 1:
@@ -78,7 +78,7 @@ class Core(Allocator):
             x = x - update * torch.einsum("bhsd,bhd->bhs", unit, w).pow(2)
         return kept
 
-    def summarize(self, obs: Observation, evicted: Tensor, scores: Tensor, counts: Tensor):
+    def memorize(self, obs: Observation, evicted: Tensor, scores: Tensor, counts: Tensor):
         """The memory entries of each head: keys, values [B, Hkv, M, D], positions, log-weights [B, Hkv, M] and how
         many each head writes [B, Hkv] (at most ``counts``, at most its evicted tokens; none with ``merged=False``)."""
         M = self.memory

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import Allocator, Observation, register_allocator
+from .base import PROTOTYPES, Allocator, Observation, register_allocator
 from .shares import attention_mass
 
 _EPS = 1e-8  # the distortion's epsilon, on attention partitions normalised to the query's full partition (<= 1)
@@ -45,7 +45,7 @@ class GraceKV(Allocator):
     probes: int = 8  # the newest observed queries the distortion is measured on (each with its GQA group)
     merged: bool = True
 
-    strategy = "prototypes"
+    strategy = PROTOTYPES
 
     def __post_init__(self):
         if self.slot < 2 or self.slot & (self.slot - 1):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Allocator, Observation, Scorer, protect, register_allocator, register_scorer
+from .base import PAGES, Allocator, Observation, Scorer, protect, register_allocator, register_scorer
 from .shares import water_fill
 
 
@@ -66,7 +66,7 @@ class PageEviction(Allocator):
     From the abstract; the unofficial code's entropy-based layer budgets and pinned anchor pages are left out.
     """
 
-    strategy = "pages"
+    strategy = PAGES
 
     def allocate(self, scores, lengths, budget):
         L, B, Hkv, _ = scores.shape
