@@ -178,8 +178,8 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     ``recipe`` asks; with a page format, store what is kept in it (every token, unscored, when they all fit),
     except the ``recipe.precise_recent`` newest tokens, which stay in the model's dtype: kept first, their dtype
     bytes out of the budget, the rest of which the scorer's tokens share at the format's cost. With
-    ``recipe.merge``, evicted values are folded into kept ones first (``merge_evicted``). The ``apart`` newest
-    tokens (model dtype only) are no candidates: kept as they are, on top of ``budget_bytes``
+    ``recipe.merge``, evicted values are folded into kept ones first (``PagedKVCache.fold_evicted``). The ``apart``
+    newest tokens (model dtype only) are no candidates: kept as they are, on top of ``budget_bytes``
     (``CompressedModel.compress(keep_last=...)``). ``dense``: as ``score_all`` reads it.
 
     A sliding-window layer's entries that no later query can see (``out_of_window`` of ``seen`` [B], the next
@@ -225,7 +225,8 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
                                   STORED_FORMAT)
         plan = dataclasses.replace(plan, formats=formats, channels=channels)
     if recipe.merge:
-        merge_evicted(cache, plan, layers, recipe.merger())
+        merger = recipe.merger()
+        cache.fold_evicted(plan, lambda layer, keys, values, valid, kept: merger.merge(keys, values, valid, kept))
     cache.keep(plan)
 
 
@@ -262,15 +263,6 @@ def key_channels(cache: PagedKVCache, layers) -> Tensor | None:
     if fmt is None or not fmt.prunes_keys:
         return None
     return torch.stack([fmt.key_channels(observe(cache, layer)) for layer in layers])
-
-
-def merge_evicted(cache: PagedKVCache, plan: Plan, layers, merging) -> None:
-    """Fold the values ``plan`` evicts into the entries it keeps (``methods.merging``), written back in place
-    (``PagedKVCache.rewrite``) before the plan is applied; keys and positions stay as they are."""
-    kept = plan.kept(int(cache.held().max()))
-    for layer in layers:
-        keys, values, _, valid = cache.dense(layer.index)
-        cache.rewrite(layer.index, values=merging.merge(keys, values, valid, _padded(kept[layer.index], keys.shape[2])))
 
 
 def _restored(cache: PagedKVCache, restored: tuple[Tensor, int] | None, S: int) -> Tensor | None:

@@ -149,8 +149,10 @@ class DecodeCompressor:
         counts = self.policy.allocate(self.states, lengths, target, sched.every).long().clamp_min(0).minimum(lengths)
         if bool((counts < lengths).any()):
             plan = select(torch.stack(scores), counts, torch.stack(levels))
-            if isinstance(self.policy, MergingPolicy):
-                self._merge(cache, plan)
+            if isinstance(self.policy, MergingPolicy):  # the compression's merging path, with the policy's rule
+                states, every, steps = self.states, self.schedule.every, self.steps
+                cache.fold_evicted(plan, lambda layer, keys, values, valid, kept: self.policy.merge(
+                    states[layer], values, valid, kept, every, steps))
             cache.keep(plan, shrink=False)
             S = scores[0].shape[-1]
             for layer, state in enumerate(self.states):
@@ -160,15 +162,6 @@ class DecodeCompressor:
             state.tokens = state.tokens.masked_fill(idx >= cache.lengths[layer, ..., None], float("nan"))
         cache.reserve(sched.every, growth=GROWTH)
         return held
-
-    def _merge(self, cache: PagedKVCache, plan) -> None:
-        """Let the policy fold evicted values into kept ones (``MergingPolicy.merge``) before ``plan`` applies."""
-        for layer, state in zip(self.layers, self.states):
-            _, values, _, valid = cache.dense(layer.index)
-            kept = plan.kept(values.shape[2])[layer.index]
-            merged = self.policy.merge(state, values, valid, kept, self.schedule.every, self.steps)
-            if merged is not None:
-                cache.rewrite(layer.index, values=merged)
 
     def ceiling(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
         """[B] tokens per KV head the cap allows a row that has read ``seen`` tokens, in whole pages: bytes are held

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
@@ -288,6 +289,18 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
             if new is not None:
                 flat = pool.view(-1, self.head_dim) if pool.dim() == 3 else pool.view(-1)
                 flat.index_copy_(0, rows, new[valid].to(pool.dtype))
+
+    def fold_evicted(self, plan: Plan, merge) -> None:
+        """Before ``plan`` applies, fold what it evicts into what it keeps: each layer's values become what
+        ``merge(layer, keys, values, valid, kept)`` returns (dense views as ``dense``'s, ``kept`` [B, Hkv, S]; None
+        leaves them); keys and positions stay. The one merging path of a compression and of a decode schedule."""
+        kept = plan.kept(int(self.held().max()))
+        for layer in range(self.num_layers):
+            keys, values, _, valid = self.dense(layer)
+            S = keys.shape[2]
+            merged = merge(layer, keys, values, valid, F.pad(kept[layer], (0, max(S - kept.shape[-1], 0)))[..., :S])
+            if merged is not None:
+                self.rewrite(layer, values=merged)
 
     # ------------------------------------------------------------------ reads
     def dense(self, layer: int):
