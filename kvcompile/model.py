@@ -137,11 +137,13 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         bytes_full = int(self.seen.sum()) * self.spec.num_layers * self.spec.num_kv_heads * self.cache.token_bytes
         budget = None if self.budget.is_full else int(self.budget_bytes().sum())
         schedule = self.decoder.schedule if self.decoder else self.schedule
+        uncapped = self.decoder.uncapped(self.cache) if self.decoder else []
         stats.update(
             bytes_full=bytes_full, budget_bytes=budget, budget=str(self.budget), recipe=self.recipe.tag,
             query_aware=self.query_aware, tokens_held=int(self.cache.held().long().sum()),
             peak_bytes_held=stats["peak_bytes"]["payload"],
             decode_schedule=None if schedule is None else dataclasses.asdict(schedule),
+            decode_uncapped_rows=uncapped,
         )
         return stats
 
@@ -283,8 +285,6 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self._refuse_overflowing_window(n.to(self.device), n, fresh=True)
         self._check_draft(draft, draft_tokens, input_ids, attention_mask, context_ids, context_mask, max_new_tokens)
         checks.early_stop(early_stop, draft)
-        if self.schedule is not None and max_new_tokens > 1:
-            self._fit_schedule(int(real.sum(1).min()) + (0 if context_ids is None else int(context_real.sum(1).min())))
         self.reset()
         sampling = dict(do_sample=do_sample, temperature=temperature, top_p=top_p, generator=generator)
         with self._changing():

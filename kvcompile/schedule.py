@@ -69,6 +69,18 @@ class DecodeSchedule:
         """Queries per layer the decode ops must keep in the ring for the policy."""
         return self.build().ring(self.every)
 
+    @property
+    def smallest_cap(self) -> int:
+        """Tokens per KV head the least a fitted schedule needs: its sinks, one recent or interval slot and one
+        scored slot."""
+        return self.sinks + 2
+
+    @property
+    def need(self) -> int:
+        """Tokens per KV head a run of this schedule needs under its cap: sinks, the recent window, one interval of
+        new tokens and one scored slot."""
+        return self.sinks + self.recent + self.every + 1
+
     def fitted(self, cap: int) -> DecodeSchedule:
         """This schedule for a cap of ``cap`` tokens per KV head: ``every`` and ``recent`` scaled down together
         (every >= 1) when every + recent + sinks does not fit under the cap; raises, naming what to change, when
@@ -98,13 +110,20 @@ class DecodeCompressor:
     def __init__(self, schedule: DecodeSchedule, budget: Budget, layers):
         self.requested, self.schedule, self.budget, self.layers = schedule, schedule, budget, layers
         self.policy = schedule.build()
+        self.floor = 0  # tokens per KV head no row is brought below (``start`` sets it)
 
     def start(self, cache: PagedKVCache) -> None:
-        """Before the first decode step after a prefill: forget earlier signals, fit the schedule to the cap, size
-        the pool and the ring for it. Raises before changing anything when the cap cannot hold the schedule."""
+        """Before the first decode step after a prefill: forget earlier signals, fit the schedule to the rows'
+        caps, size the pool and the ring for it. A row whose cap cannot hold even the smallest fitted schedule (a
+        short prompt under a fraction cap) does not fail the batch: the schedule fits the other rows, and that row's
+        cap is floored at what the schedule needs (``floor``; ``uncapped`` names such rows)."""
         seen = cache.seen
+        cap = self.cap(cache, seen + 1)
+        fits = cap >= self.requested.smallest_cap
+        self.schedule = self.requested.fitted(int(cap[fits].min())) if bool(fits.any()) else self.requested
+        P = cache.page_size
+        self.floor = -(-self.schedule.need // P) * P
         ceiling = self.ceiling(cache, seen + 1)
-        self.schedule = self.requested.fitted(int(ceiling.min()))
         self.prompt_end, self.folded = seen.clone(), seen - 1  # prefill queries are not decode signals
         self.states = [LayerState() for _ in range(cache.num_layers)]
         self.steps = 0
@@ -163,11 +182,20 @@ class DecodeCompressor:
         cache.reserve(sched.every, growth=GROWTH)
         return held
 
-    def ceiling(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
-        """[B] tokens per KV head the cap allows a row that has read ``seen`` tokens, in whole pages: bytes are held
-        by the page, so a head filled to a ceiling that ended mid-page would hold more than the cap."""
+    def cap(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
+        """[B] tokens per KV head the budget allows a row that has read ``seen`` tokens, in whole pages: bytes are
+        held by the page, so a head filled to a cap that ended mid-page would hold more than the budget."""
         P = cache.page_size
         return cache.budget_tokens(self.budget, seen) // P * P
+
+    def ceiling(self, cache: PagedKVCache, seen: Tensor) -> Tensor:
+        """[B] tokens per KV head a row is brought back to: its ``cap``, floored at what the schedule needs."""
+        return self.cap(cache, seen).clamp_min(self.floor)
+
+    def uncapped(self, cache: PagedKVCache) -> list[int]:
+        """The rows whose cap is below what the schedule needs now, so they hold up to ``floor`` tokens per KV head
+        instead (over their budget)."""
+        return (self.cap(cache, cache.seen) < self.floor).nonzero().flatten().tolist()
 
     def _levels(self, obs, newest: Tensor) -> Tensor:
         """[B, Hkv, S] protection level of every held token (EMPTY where nothing is held)."""
