@@ -120,10 +120,15 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self.cache.setup(batch_size)
         self.context_tokens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
+    def budgeted_tokens(self) -> Tensor:
+        """[B] the tokens a fraction budget is a share of: those read to be compressed (the context; with a scorer
+        that reads the question, the context and the question it compresses together), or, once a decode-time cap
+        runs, every token read so far."""
+        return self.cache.seen if self.schedule is not None and self.decoder is not None else self.context_tokens
+
     def budget_bytes(self) -> Tensor:
-        """[B] bytes each sequence may hold: of the tokens prefilled to compress, or of all read (a decoding cap)."""
-        tokens = self.cache.seen if self.schedule is not None and self.decoder is not None else self.context_tokens
-        return self.cache.budget_bytes(self.budget, tokens)
+        """[B] bytes each sequence may hold (of ``budgeted_tokens`` for a fraction)."""
+        return self.cache.budget_bytes(self.budget, self.budgeted_tokens())
 
     def cache_stats(self) -> dict:
         """Bytes held and allocated (``PagedKVCache.stats``), the budget, per-(layer, KV head) lengths.
@@ -142,6 +147,7 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
             bytes_full=bytes_full, budget_bytes=budget, budget=str(self.budget), recipe=self.recipe.tag,
             query_aware=self.query_aware, tokens_held=int(self.cache.held().long().sum()),
             peak_bytes_held=stats["peak_bytes"]["payload"],
+            budgeted_tokens=self.budgeted_tokens().tolist(),
             decode_schedule=None if schedule is None else dataclasses.asdict(schedule),
             decode_uncapped_rows=uncapped,
         )
