@@ -102,9 +102,8 @@ def test_full_budget_reproduces_the_model(gemma, gemma_cm, recipe):
 def test_bad_windows_and_budgets_are_refused(gemma_cm):
     with pytest.raises(ValueError, match="fractions in \\[0, 1\\]"):
         kvcompile.apply(gemma_cm, budget=0.5, recipe=Recipe("hw", "headwisekv", "fill-eligible", {"windows": [[2.0]]}))
-    cm = kvcompile.apply(gemma_cm, budget=0.5, recipe=Recipe("hw", "headwisekv", "fill-eligible",
-                                                             {"windows": [[0.5, 0.5]]}))
-    with pytest.raises(ValueError, match="the model has 2 layers"):
-        cm.prefill(prompt(N))
+    with pytest.raises(ValueError, match="the model has 2 layers"):  # at apply, before any prompt is read
+        kvcompile.apply(gemma_cm, budget=0.5, recipe=Recipe("hw", "headwisekv", "fill-eligible",
+                                                            {"windows": [[0.5, 0.5]]}))
     with pytest.raises(ValueError, match="budgets must be fractions"):
         calibrate(gemma_cm, [prompt(64)], [1.5])

@@ -168,6 +168,9 @@ def test_bad_parameters_are_refused_before_anything_runs(llama_cm):
     with pytest.raises(ValueError, match="L x Hkv numbers"):
         kvcompile.apply(llama_cm, budget=0.5, recipe=Recipe("d", "duoattention", "fill-eligible",
                                                             {"head_scores": [1.0, 2.0]}))
+    with pytest.raises(ValueError, match="the model has 3 layers of 2 KV heads"):  # another model's scores
+        kvcompile.apply(llama_cm, budget=0.5, recipe=Recipe("d", "duoattention", "fill-eligible",
+                                                            {"head_scores": [[1.0, 2.0]]}))
     with pytest.raises(ValueError, match="0 <= streaming <= 1"):
         kvcompile.apply(llama_cm, budget=0.5, recipe=Recipe("d", "duoattention", "fill-eligible", {"streaming": 2}))
     with pytest.raises(ValueError, match="recent >= 1"):

@@ -59,14 +59,19 @@ class DuoAttention(Wrapper):
                 raise ValueError(f"duoattention: head_scores must be L x Hkv numbers, got shape {tuple(gates.shape)}")
             self._streams = lowest(gates.flatten(), self.streaming).view(gates.shape)
 
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
+        """Refuse, at ``apply``, head scores calibrated for another shape of model."""
+        if self.head_scores is not None and tuple(self._streams.shape) != (num_layers, num_kv_heads):
+            raise ValueError(f"duoattention: head_scores are {tuple(self._streams.shape)}, the model has "
+                             f"{num_layers} layers of {num_kv_heads} KV heads")
+        if hasattr(self._base, "check_model"):
+            self._base.check_model(num_layers, num_kv_heads, head_dim, hidden_size)
+
     def score(self, obs: Observation) -> Tensor:
         base = self._base.score(obs).float()
         if self.head_scores is None:
             streams = lowest(streaming_error(obs, self.sinks, self.recent), self.streaming)  # [B, Hkv]
         else:
-            if len(self._streams) != obs.num_layers or self._streams.shape[1] != obs.keys.shape[1]:
-                raise ValueError(f"duoattention: head_scores are {tuple(self._streams.shape)}, the model has "
-                                 f"{obs.num_layers} layers of {obs.keys.shape[1]} KV heads")
             streams = self._streams[obs.layer].to(base.device).expand(base.shape[0], -1)
         local = streaming_scores(obs, recent_window(obs, self.sinks, self.recent))
         return torch.where(streams[..., None], local, base)

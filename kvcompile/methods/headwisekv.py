@@ -52,13 +52,18 @@ class HeadWiseKV(Wrapper):
                 raise ValueError(f"headwisekv: windows must be L x Hkv fractions in [0, 1], got {self.windows!r}")
             self._levels = levels
 
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
+        """Refuse, at ``apply``, a windows table calibrated for another shape of model."""
+        if self.windows is not None and tuple(self._levels.shape) != (num_layers, num_kv_heads):
+            raise ValueError(f"headwisekv: windows are {tuple(self._levels.shape)}, the model has {num_layers} "
+                             f"layers of {num_kv_heads} KV heads")
+        if hasattr(self._base, "check_model"):
+            self._base.check_model(num_layers, num_kv_heads, head_dim, hidden_size)
+
     def score(self, obs: Observation) -> Tensor:
         base = self._base.score(obs).float()
         if self.windows is None:
             return base
-        if len(self._levels) != obs.num_layers or self._levels.shape[1] != obs.keys.shape[1]:
-            raise ValueError(f"headwisekv: windows are {tuple(self._levels.shape)}, the model has {obs.num_layers} "
-                             f"layers of {obs.keys.shape[1]} KV heads")
         context = obs.positions.masked_fill(~obs.valid, -1).amax() + 1
         recent = recent_tokens(self._levels[obs.layer].to(base.device), context)
         return base.masked_fill(~head_windows(obs, self.sinks, recent), RULED_OUT)
