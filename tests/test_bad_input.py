@@ -120,3 +120,21 @@ def test_decode_before_prefill(llama_cm):
         kvcompile.apply(llama_cm, budget=0.5).decode(torch.ones(1, 1, dtype=torch.long))
     with pytest.raises(RuntimeError, match="call prefill"):
         kvcompile.apply(llama_cm, budget=0.5).cache_stats()
+
+
+@pytest.mark.parametrize("recipe, budget", [("kivi2", "24KiB"), ("minima-kv", "24KiB"), ("anchorkv", "32KiB")])
+def test_a_refused_turn_changes_nothing(llama_cm, recipe, budget):
+    """A turn whose tokens in the model's dtype (a precise window, anchor pages) or whose anchor tables would not fit
+    a byte budget is refused before anything is written: the cache's stats are the same, and the next call
+    answers what a model that never saw the refused turn answers."""
+    first, _ = left_padded_batch([30], total=30)
+    second, _ = left_padded_batch([200], total=200, seed=1)
+    cm, twin = (kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4) for _ in range(2))
+    for model in (cm, twin):
+        model.prefill(first)
+    before = cm.cache_stats()
+    with pytest.raises(ValueError, match="budget"):
+        cm.prefill(second)
+    assert cm.cache_stats() == before
+    token = first[:, -1:]
+    assert torch.equal(cm.decode(token), twin.decode(token))
