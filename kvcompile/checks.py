@@ -110,12 +110,6 @@ def early_stop(stop, draft) -> None:
         raise ValueError("early_stop is not supported with a speculative draft: generate with one or the other")
 
 
-def scorer_fits(scorer, spec) -> None:
-    """A learned scorer's weights were trained for this shape of model (``check_model``); other scorers pass."""
-    if hasattr(scorer, "check_model"):
-        scorer.check_model(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.hidden_size)
-
-
 def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:
     """A fork shares a prefill already done: refuse a recipe that prefills in other chunks (``block+...``)."""
     if wanted != done:

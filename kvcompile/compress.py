@@ -24,7 +24,7 @@ from .kernels.formats import get_format
 from .methods import Allocator, Scorer
 from .methods.base import MEMORY, PAGES, PROTOTYPES, TAIL_SUMMARY, TOKENS, is_pinned
 from .observation import observe
-from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, pinned_levels, rank, select
+from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, padded, pinned_levels, rank, select
 from .spec import LayerSpec
 
 
@@ -125,8 +125,8 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers, len
     rows = []
     for layer in layers:
         obs = observe(cache, layer)
-        candidate = _padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])  # not apart, in window
-        evicted = obs.valid & candidate & ~_padded(kept[layer.index], obs.valid.shape[-1])
+        candidate = padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])  # not apart, in window
+        evicted = obs.valid & candidate & ~padded(kept[layer.index], obs.valid.shape[-1])
         rows.append(allocator.summarize(obs, evicted))
     keys, values, positions, log_weights = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv] x 2
     new = NewEntries(keys[..., None, :], values[..., None, :], positions[..., None], summary, log_weights[..., None])
@@ -145,7 +145,7 @@ def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers, lengt
     observations = []
     for layer in layers:
         obs = observe(cache, layer)
-        candidate = _padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])
+        candidate = padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])
         observations.append(dataclasses.replace(obs, valid=obs.valid & candidate))
     kept, keys, values, positions, log_weights, counts = allocator.prototypes(observations, scores, max_pages,
                                                                              cache.page_size)
@@ -201,8 +201,8 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
         cache.demote(precise_recent, channels=channels, anchors=anchors)
         return
     scores, stats = score_all(cache, scorer, layers, allocator, dense)
-    aside = _padded(cache.newest(apart), scores.shape[-1])
-    dead = _padded(out_of_window(cache, layers, cache.seen if seen is None else seen), scores.shape[-1])
+    aside = padded(cache.newest(apart), scores.shape[-1])
+    dead = padded(out_of_window(cache, layers, cache.seen if seen is None else seen), scores.shape[-1])
     lengths = cache.held().long() - dead.sum(-1)
     scores = scores.masked_fill(aside | dead, float("-inf"))
     restored = _restored(cache, (dense or {}).get("restored"), scores.shape[-1])
@@ -210,7 +210,7 @@ def compress(cache: PagedKVCache, scorer: Scorer | None, allocator: Allocator, b
     if restored is not None:  # kept first, above every pin (sinks), and charged like any token
         scores = scores.masked_fill(restored, torch.finfo(torch.float32).max)
     if precise_recent or anchors:  # kept apart: the scored tokens compete for what the window leaves of the budget
-        window = _padded(recent, scores.shape[-1])
+        window = padded(recent, scores.shape[-1])
         scores = scores.masked_fill(window, float("-inf"))
         budget_bytes = budget_bytes - recent_bytes
     strategy = PLANNERS[allocator.strategy] if floor is None else partial(plan_tokens, floor=floor)
@@ -273,8 +273,3 @@ def _restored(cache: PagedKVCache, restored: tuple[Tensor, int] | None, S: int) 
     start, n = restored
     pos = F.pad(cache.positions(), (0, S), value=-1)[..., :S]
     return (pos >= start[None, :, None, None]) & (pos < start[None, :, None, None] + n)
-
-
-def _padded(mask: Tensor, S: int) -> Tensor:
-    """A [..., S'] mask of held entries cut or padded (False) to S entries."""
-    return F.pad(mask, (0, max(S - mask.shape[-1], 0)))[..., :S]

@@ -50,7 +50,8 @@ class CompressedModel(Steps, Speculation, Forking, nn.Module):
         self.source, self.latent_moments = source, latent_moments  # the model applied to; a latent format's calibration
         self.scorer, self.allocator = recipe.build()
         checks.recipe(recipe, self.allocator, budget, spec, page_size)
-        checks.scorer_fits(self.scorer, spec)
+        if self.scorer is not None:  # learned weights and calibrated tables fit this model
+            self.scorer.check_model(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.hidden_size)
         rerotation.check(spec, recipe, prefill_chunk)
         self.schedule = DecodeSchedule(**recipe.decode) if recipe.decode and not budget.is_full else None
         self.prefill_chunk, self.generation_config = prefill_chunk, generation_config

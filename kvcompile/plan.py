@@ -87,6 +87,11 @@ class Plan:
         return cls(kept_indices(kept), kept.sum(-1), **fields)
 
 
+def padded(mask: Tensor, S: int) -> Tensor:
+    """A [..., S'] mask of held entries cut or padded (False) to S entries."""
+    return torch.nn.functional.pad(mask, (0, max(S - mask.shape[-1], 0)))[..., :S]
+
+
 def kept_indices(kept: Tensor) -> Tensor:
     """Logical indices [..., K] of the ``kept`` [..., S] entries, ascending; K is the most any head keeps (>= 1)."""
     S = kept.shape[-1]

@@ -34,12 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
 from ..kernels import reference
-from ..plan import NewEntries, Plan
+from ..plan import NewEntries, Plan, padded
 from ..signature import CACHE_NAMES
 from .accounting import ByteAccounting
 from .formatted import FORMAT_TENSORS, FormatPool
@@ -297,8 +296,7 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
         kept = plan.kept(int(self.held().max()))
         for layer in range(self.num_layers):
             keys, values, _, valid = self.dense(layer)
-            S = keys.shape[2]
-            merged = merge(layer, keys, values, valid, F.pad(kept[layer], (0, max(S - kept.shape[-1], 0)))[..., :S])
+            merged = merge(layer, keys, values, valid, padded(kept[layer], keys.shape[2]))
             if merged is not None:
                 self.rewrite(layer, values=merged)
 

@@ -14,6 +14,8 @@ from . import anchored, cpu_native, latent
 from .formats import codec_of
 from .paging import gather_pages
 
+_LAYOUT = tuple((i.field, i.per_layer) for i in FORMAT_POOL)  # each tensor's field, and whether it is per layer
+
 
 class FormatPages(NamedTuple):
     """One layer's format pool (``kvcompile.cache``): codes and metadata of keys and values [N, P, W] and
@@ -38,7 +40,8 @@ class FormatPages(NamedTuple):
     def of_layer(cls, bundle: list[Tensor], layer: int) -> FormatPages:
         """Layer ``layer``'s view of the whole pool's bundle (``signature.FORMAT_POOL``: the attention ops' one
         format argument, read by name)."""
-        return cls(**{i.field: t[layer] if i.per_layer else t for i, t in zip(FORMAT_POOL, bundle, strict=True)})
+        parts = zip(_LAYOUT, bundle, strict=True)
+        return cls(**{field: t[layer] if per_layer else t for (field, per_layer), t in parts})
 
     @property
     def empty(self) -> bool:

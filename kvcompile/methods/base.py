@@ -147,6 +147,16 @@ class Scorer:
         input_ids, real: [B, T] the tokens just prefilled and their non-pad mask."""
         raise NotImplementedError
 
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
+        """Refuse, at ``apply``, what does not fit this shape of model (learned weights, a calibrated per-head
+        table); nothing by default."""
+
+
+def check_per_head_table(what: str, shape: tuple, num_layers: int, num_kv_heads: int) -> None:
+    """Refuse a table of one value per (layer, KV head) made for another shape of model."""
+    if tuple(shape) != (num_layers, num_kv_heads):
+        raise ValueError(f"{what} are {tuple(shape)}, the model has {num_layers} layers of {num_kv_heads} KV heads")
+
 
 @dataclass
 class Wrapper(Scorer):
@@ -168,6 +178,9 @@ class Wrapper(Scorer):
 
     def sources(self) -> tuple[Source, ...]:
         return self._base.sources()
+
+    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
+        self._base.check_model(num_layers, num_kv_heads, head_dim, hidden_size)
 
     def reconstruction_prompt(self, input_ids: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
         return self._base.reconstruction_prompt(input_ids, real)

@@ -42,11 +42,6 @@ class DMS(Wrapper):
         if self.window < 0:
             raise ValueError(f"dms: window must be >= 0, got {self.window}")
 
-    def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
-        check = getattr(self._base, "check_model", None)
-        if check is not None:
-            check(num_layers, num_kv_heads, head_dim, hidden_size)
-
     def score(self, obs: Observation) -> Tensor:
         scores = self._base.score(obs).float()
         newest = obs.positions.masked_fill(~obs.valid, -1).amax((1, 2))  # [B]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Observation, Wrapper, register_scorer
+from .base import Observation, Wrapper, check_per_head_table, register_scorer
 from .streaming_heads import recent_window, streaming_scores
 
 
@@ -61,11 +61,9 @@ class DuoAttention(Wrapper):
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
         """Refuse, at ``apply``, head scores calibrated for another shape of model."""
-        if self.head_scores is not None and tuple(self._streams.shape) != (num_layers, num_kv_heads):
-            raise ValueError(f"duoattention: head_scores are {tuple(self._streams.shape)}, the model has "
-                             f"{num_layers} layers of {num_kv_heads} KV heads")
-        if hasattr(self._base, "check_model"):
-            self._base.check_model(num_layers, num_kv_heads, head_dim, hidden_size)
+        if self.head_scores is not None:
+            check_per_head_table("duoattention: head_scores", self._streams.shape, num_layers, num_kv_heads)
+        super().check_model(num_layers, num_kv_heads, head_dim, hidden_size)
 
     def score(self, obs: Observation) -> Tensor:
         base = self._base.score(obs).float()

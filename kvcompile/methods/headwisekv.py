@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .base import Observation, Wrapper, register_scorer
+from .base import Observation, Wrapper, check_per_head_table, register_scorer
 from .streaming_heads import RULED_OUT
 
 LEVELS = (0.0, 1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # the multilevel windows, fractions of the context
@@ -54,11 +54,9 @@ class HeadWiseKV(Wrapper):
 
     def check_model(self, num_layers: int, num_kv_heads: int, head_dim: int, hidden_size: int = 0) -> None:
         """Refuse, at ``apply``, a windows table calibrated for another shape of model."""
-        if self.windows is not None and tuple(self._levels.shape) != (num_layers, num_kv_heads):
-            raise ValueError(f"headwisekv: windows are {tuple(self._levels.shape)}, the model has {num_layers} "
-                             f"layers of {num_kv_heads} KV heads")
-        if hasattr(self._base, "check_model"):
-            self._base.check_model(num_layers, num_kv_heads, head_dim, hidden_size)
+        if self.windows is not None:
+            check_per_head_table("headwisekv: windows", self._levels.shape, num_layers, num_kv_heads)
+        super().check_model(num_layers, num_kv_heads, head_dim, hidden_size)
 
     def score(self, obs: Observation) -> Tensor:
         base = self._base.score(obs).float()
