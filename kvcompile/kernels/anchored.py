@@ -95,7 +95,7 @@ def encode_residuals(r: Tensor) -> Tensor:
     """Residuals [..., D] -> codes [..., D / 4 + 2] uint8."""
     D = r.shape[-1]
     y = r.float() @ _rotation(D, r.device).T
-    sigma = (y.norm(dim=-1, keepdim=True) / D**0.5).half()
+    sigma = (y.norm(dim=-1) / D**0.5).half()[..., None]  # (keepdim gives an empty batch a stride ``view`` refuses)
     t = y / sigma.float().clamp_min(1e-30)
     q = torch.bucketize(t, torch.tensor(THRESHOLDS, device=r.device)).to(torch.uint8)
     return torch.cat([pack(q, 2), sigma.view(torch.uint8)], -1)

@@ -88,7 +88,7 @@ class Core(Allocator):
         share = mass.cumsum(-1) / mass.sum(-1, keepdim=True).clamp_min(_TINY)
         n = counts.minimum(evicted.sum(-1)) * self.merged  # [B, Hkv] groups asked of each head
         group = (share * n[..., None] - 1e-9).floor().long().clamp(min=0).minimum((n - 1).clamp_min(0)[..., None])
-        group = group.masked_fill(~evicted, M)  # M: no group
+        group = group.masked_fill(~evicted | (n == 0)[..., None], M)  # M: no group (a head asked for none writes none)
         present = torch.zeros(*n.shape, M + 1, device=n.device).scatter_(-1, group, 1.0)[..., :M] > 0
         relabel = F.pad(present.long().cumsum(-1) - 1, (0, 1), value=M)  # empty groups (one heavy token) closed up
         group, n = relabel.gather(-1, group), present.sum(-1) * self.merged

@@ -182,13 +182,13 @@ _BUILTIN = [
            {"slot": 64, "beta": 0.1, "merged": False}, source="gracekv's allocation without merging (control)",
            provenance="control", inferred="each prototype replaced by its most relevant token, unweighted"),
     Recipe("core", "snapkv", "core", {"window": 32, "kernel": 7}, {"memory": 4, "gamma": 1.0, "delta": 0.1},
-           source="https://arxiv.org/abs/2610.02235", provenance="abstract",
+           version=2, source="https://arxiv.org/abs/2610.02235", provenance="abstract",
            inferred="from the abstract and a third-party summary: the learned indexer replaced by its offline "
                     "objective computed exactly (SnapKV's mass + gamma x log-det of the kept unit keys' Gram + delta "
                     "I, greedy); the latent memory replaced by 4 weighted entries a head, equal-mass groups of the "
                     "evicted tokens in position order, exact for the mean window query; gamma 1, delta 0.1"),
     Recipe("core-unmerged", "snapkv", "core", {"window": 32, "kernel": 7},
-           {"memory": 4, "gamma": 1.0, "delta": 0.1, "merged": False},
+           {"memory": 4, "gamma": 1.0, "delta": 0.1, "merged": False}, version=2,
            source="core's retention without its memory entries (control)", provenance="control"),
     Recipe("page-entrokv", "page-entrokv", "page-entrokv", {"window": 32, "sinks": 4, "tau": 1.0},
            version=2, source="https://arxiv.org/abs/2610.03135", provenance="abstract",
