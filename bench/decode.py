@@ -30,8 +30,8 @@ import torch
 from record import Results
 
 import kvcompile
+from kvcompile.model import RESERVE_AHEAD
 from kvcompile.programs import Programs
-from kvcompile.steps import RESERVE_AHEAD
 
 
 def timed(fn):

@@ -23,7 +23,7 @@ from record import Results
 
 import kvcompile
 from kvcompile.kernels import ragged
-from kvcompile.steps import RESERVE_AHEAD
+from kvcompile.model import RESERVE_AHEAD
 
 
 def pages_read(cm) -> dict:

@@ -28,6 +28,12 @@ def positive_int(name: str, value, *, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
 
 
+def count(name: str, value) -> None:
+    """A number of tokens that may be 0: an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+
+
 def tokens(
     input_ids, attention_mask, *, vocab_size: int | None, rows: int | None, seen: Tensor | None, extra: int = 0,
     max_positions: int | None = None, name: str = "input_ids",
@@ -108,6 +114,16 @@ def early_stop(stop, draft) -> None:
         raise ValueError(f"early_stop must be a kvcompile.early_stop.EarlyStop (or None), got {type(stop).__name__}")
     if stop is not None and draft is not None:
         raise ValueError("early_stop is not supported with a speculative draft: generate with one or the other")
+
+
+def rewinds(who: str, recipe, schedule) -> None:
+    """Refuse taking tokens back (``rewind``; a speculative draft's rejected proposals) from ``who``'s cache when
+    its ``recipe`` changes it while decoding (``schedule``: its decode schedule, if any; a precise recent window):
+    what would be taken back may already have been compressed."""
+    if schedule is not None or recipe.precise_recent:
+        raise ValueError(f"{who}'s recipe {recipe.name!r} changes its cache while decoding, so tokens it read "
+                         "could not be taken back (rewind, speculative drafts): use a recipe that compresses at "
+                         "prefill")
 
 
 def same_chunking(recipe: str, wanted: int | None, done: int | None) -> None:

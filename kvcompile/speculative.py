@@ -10,8 +10,9 @@ keeps proposal x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first re
 norm(max(0, p_i - q_i)); after k acceptances it draws a bonus token from p_{k+1}. Each emitted token is then
 distributed exactly as the target's own next token (greedy: the target's argmax). p and q are the distributions
 ``generate`` samples from (``generation.nucleus``: one temperature and top-p for both). Both caches take the rejected
-tokens back through ``PagedKVCache.rewind``; a recipe that changes its cache while decoding is refused, as the
-tokens it would take back may already have been compressed.
+tokens back through ``CompressedModel.rewind``; a recipe that changes its cache while decoding is refused, as the
+tokens it would take back may already have been compressed. Everything here is a function over the models' public
+calls (``read_prompt``, ``decode``, ``decode_many``, ``rewind``): ``CompressedModel.generate`` calls it.
 """
 
 from __future__ import annotations
@@ -62,74 +63,56 @@ def distribution(logits: Tensor, temperature: float, top_p: float) -> Tensor:
     return w / w.sum(-1, keepdim=True)
 
 
-class Speculation:
-    """Speculative ``generate`` (mixed into ``CompressedModel``): this model, the target, verifies a draft's
-    proposals; the state read and written is the two models' own."""
+def check_draft(target, draft, k: int, input_ids: Tensor) -> None:
+    """Refuse, before anything changes, a draft that cannot propose for ``target`` (no draft: nothing to do). A
+    prompt the draft cannot read it refuses itself, in ``read_prompt``, which ``generate`` calls before the
+    target's."""
+    if draft is None:
+        return
+    if not isinstance(draft, type(target)) or draft is target:
+        raise ValueError("draft must be another CompressedModel, with its own cache (kvcompile.apply(model, "
+                         f"budget=0.1) shares this model's programs), got {type(draft).__name__}")
+    checks.positive_int("draft_tokens", k)
+    if draft.programs.vocab_size != target.programs.vocab_size:
+        raise ValueError(f"the draft's vocabulary has {draft.programs.vocab_size} tokens and this model's "
+                         f"{target.programs.vocab_size}: a draft must share the target's tokenizer")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"speculative generate reads one sequence at a time, got a batch of {input_ids.shape[0]}")
+    for who, model in (("this model", target), ("the draft", draft)):
+        checks.rewinds(who, model.recipe, model.schedule)
 
-    speculation: SpeculationStats | None = None  # the last speculative generate's counts
 
-    def _check_draft(self, draft, draft_tokens, input_ids, attention_mask, context_ids, context_mask,
-                     max_new_tokens: int) -> None:
-        """Refuse, before anything changes, a draft that cannot propose for this model (no draft: nothing to do)."""
-        if draft is None:
-            return
-        if not isinstance(draft, type(self)) or draft is self:
-            raise ValueError("draft must be another CompressedModel, with its own cache (kvcompile.apply(model, "
-                             f"budget=0.1) shares this model's programs), got {type(draft).__name__}")
-        checks.positive_int("draft_tokens", draft_tokens)
-        if draft.programs.vocab_size != self.programs.vocab_size:
-            raise ValueError(f"the draft's vocabulary has {draft.programs.vocab_size} tokens and this model's "
-                             f"{self.programs.vocab_size}: a draft must share the target's tokenizer")
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"speculative generate reads one sequence at a time, got a batch of {input_ids.shape[0]}")
-        for who, model in (("this model", self), ("the draft", draft)):
-            if model.schedule is not None or model.recipe.precise_recent:
-                raise ValueError(f"{who}'s recipe {model.recipe.name!r} changes its cache while decoding, so rejected "
-                                 "drafts could not be taken back: use a recipe that compresses at prefill")
-        draft._refuse_without_question(context_ids is None)
-        checks.prompt(input_ids, attention_mask, context_ids, context_mask, max_new_tokens,
-                      vocab_size=draft.programs.vocab_size, max_positions=draft.spec.max_positions)
-
-    def _speculate(self, draft, k: int, logits: Tensor, max_new_tokens: int, eos: Tensor, sampling: dict,
-                   prompt: tuple) -> Tensor:
-        """The new tokens [1, n] after the prompt this model has read (``logits`` [1, 1, V], its last), drafted
-        ``k`` at a time by ``draft``, which reads ``prompt`` (input_ids, real, context_ids, context_real) first."""
-        input_ids, real, context_ids, context_real = prompt
-        draft.reset()
-        with draft._changing():
-            draft._read_prompt(input_ids, real.to(draft.device), context_ids, context_real)
-            draft.cache.reserve(max_new_tokens)
-            return self._rounds(draft, k, logits, max_new_tokens, set(eos.tolist()), sampling)
-
-    def _rounds(self, draft, k: int, logits: Tensor, max_new_tokens: int, eos: set, sampling: dict) -> Tensor:
-        """Draft, verify and roll back until ``max_new_tokens`` or an ``eos`` id; the last round drafts fewer than
-        ``k`` where fewer tokens are left (none: a plain decode step)."""
-        stats, start = SpeculationStats(), time.perf_counter()
-        self.speculation = stats
-        tokens = [int(sample(logits[:, -1], **sampling))]
-        emitted = unread = tokens[:]  # the last round's tokens; those the draft has not read yet (1 or 2)
-        while len(tokens) < max_new_tokens and not eos.intersection(emitted):
-            n = min(k, max_new_tokens - len(tokens) - 1)  # a round emits at most n + 1 tokens
-            proposed, q = _propose(draft, unread, n, sampling)
-            p_logits = _read(self, [tokens[-1], *proposed])[0]  # [n + 1, V]: p_1 .. p_{n+1}
-            kept, token = _verify(p_logits, q, proposed, sampling)
-            stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + n, stats.accepted + kept
-            if kept < n:  # take the rejected proposals back: this model read them all, the draft all but the last
-                self.cache.rewind(self.cache.seen - (n - kept))
-                draft.cache.rewind(draft.cache.seen - (n - 1 - kept))
-            emitted = [*proposed[:kept], token]
-            tokens += emitted
-            unread = [*(proposed[-1:] if kept == n else []), token]  # all kept: the draft never read the last
-        stats.seconds = time.perf_counter() - start  # every round read its tokens back: nothing is in flight
-        ends = [i for i, t in enumerate(tokens) if t in eos]
-        return torch.tensor([tokens[: ends[0] + 1] if ends else tokens], device=self.device)
+def speculate(target, draft, k: int, logits: Tensor, max_new_tokens: int, eos: Tensor, sampling: dict,
+              stats: SpeculationStats) -> Tensor:
+    """The new tokens [1, n] after the prompt both models have read (``read_prompt``; ``logits`` [1, 1, V]: the
+    target's last), drafted ``k`` at a time by ``draft``, verified by ``target`` and rolled back (``rewind``) until
+    ``max_new_tokens`` or an ``eos`` id; the last round drafts fewer than ``k`` where fewer tokens are left (none: a
+    plain decode step). ``stats`` counts the rounds."""
+    start, eos = time.perf_counter(), set(eos.tolist())
+    tokens = [int(sample(logits[:, -1], **sampling))]
+    emitted = unread = tokens[:]  # the last round's tokens; those the draft has not read yet (1 or 2)
+    while len(tokens) < max_new_tokens and not eos.intersection(emitted):
+        n = min(k, max_new_tokens - len(tokens) - 1)  # a round emits at most n + 1 tokens
+        proposed, q = _propose(draft, unread, n, sampling)
+        p_logits = _read(target, [tokens[-1], *proposed])[0]  # [n + 1, V]: p_1 .. p_{n+1}
+        kept, token = _verify(p_logits, q, proposed, sampling)
+        stats.rounds, stats.drafted, stats.accepted = stats.rounds + 1, stats.drafted + n, stats.accepted + kept
+        if kept < n:  # take the rejected proposals back: the target read them all, the draft all but the last
+            target.rewind(n - kept)
+            draft.rewind(n - 1 - kept)
+        emitted = [*proposed[:kept], token]
+        tokens += emitted
+        unread = [*(proposed[-1:] if kept == n else []), token]  # all kept: the draft never read the last
+    stats.seconds = time.perf_counter() - start  # every round read its tokens back: nothing is in flight
+    ends = [i for i, t in enumerate(tokens) if t in eos]
+    return torch.tensor([tokens[: ends[0] + 1] if ends else tokens], device=target.device)
 
 
 def _read(model, tokens: list[int]) -> Tensor:
-    """Append ``tokens`` to ``model``'s one sequence as that many decode steps, in one program call; their logits
-    [1, n, V]."""
+    """Append ``tokens`` to ``model``'s one sequence as that many decode steps, in one program call (``decode``, or
+    ``decode_many``'s prefill program); their logits [1, n, V]."""
     ids = torch.tensor([tokens], device=model.device)
-    return model._advance("decode" if len(tokens) == 1 else "prefill", ids, None)
+    return model.decode(ids) if len(tokens) == 1 else model.decode_many(ids)
 
 
 def _propose(draft, unread: list[int], n: int, sampling: dict) -> tuple[list[int], list[Tensor]]:

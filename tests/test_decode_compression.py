@@ -125,7 +125,8 @@ def uncompressed(base):
 def test_cap_above_everything_changes_nothing(base, uncompressed, name):
     capped = kvcompile.apply(base, budget=512, recipe=name)  # holds the prompt and all 100 new tokens
     out = sampled(capped)
-    assert capped.decoder is not None and capped.decoder.steps > capped.recipe.decode["every"], "runs happened"
+    decoder = capped.request.decoder
+    assert decoder is not None and decoder.steps > capped.recipe.decode["every"], "runs happened"
     assert torch.equal(out, uncompressed)
 
 
@@ -138,7 +139,7 @@ def test_signals_from_the_query_ring_equal_step_by_step_signals(base, name):
     for every in (16, 1):
         cm = kvcompile.apply(base, budget=512, recipe=variant(name, every=every))
         cm.generate(ids, mask, max_new_tokens=34, eos_token_id=[])  # 33 decode steps: both ran after the last
-        states.append(cm.decoder.states)
+        states.append(cm.request.decoder.states)
     for layer, (batched, stepwise) in enumerate(zip(*states)):
         torch.testing.assert_close(batched.tokens, stepwise.tokens, equal_nan=True, msg=lambda m: f"layer {layer}: {m}")
         for key in ("short", "long", "demand"):  # GrowPage's query summaries and demand

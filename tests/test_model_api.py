@@ -77,7 +77,8 @@ def test_generation_reads_the_device_once_every_few_steps(llama_cm, recipe, budg
         out = cm.generate(ids, max_new_tokens=new, eos_token_id=[0])
     steps = out.shape[1] - ids.shape[1]
     loop = reads.count - prefill_reads.count
-    runs = 0 if cm.decoder is None else cm.decoder.steps // cm.decoder.schedule.every + 1
+    decoder = cm.request.decoder
+    runs = 0 if decoder is None else decoder.steps // decoder.schedule.every + 1
     per_run = 16  # a run scores, plans and re-reserves: it syncs, once per 16 steps
     assert loop <= steps // generation.CHECK_EVERY + 2 + runs * per_run, f"{loop} device reads over {steps} steps"
     assert runs or loop <= steps // generation.CHECK_EVERY + 2

@@ -21,7 +21,7 @@ from kvcompile.recipes import WRAPPERS
 ROOT = Path(kvcompile.__file__).parent
 RUNTIME = (
     "__init__.py", "capture.py", "passes", "programs.py", "program_store.py", "ops.py", "cache", "compress.py",
-    "schedule.py", "model.py", "steps.py", "generation.py", "speculative.py", "forking.py", "checks.py",
+    "schedule.py", "model.py", "request.py", "generation.py", "speculative.py", "checks.py",
     "observation.py", "restoring.py", "rerotation.py", "plan.py", "signature.py", "spec.py", "budget.py", "artifact.py",
     "adapters.py", "segments.py", "early_stop.py", "gradients.py", "attention_inputs.py", "kernels/reference.py",
     "kernels/paging.py", "kernels/ragged.py", "kernels/cpu_native.py", "kernels/triton_decode.py",

@@ -52,8 +52,8 @@ def check_invariants(cm, where: str) -> None:
     assert (c.page_table[~owned] == 0).all(), f"{where}: a slot past a head's pages points at a page"
     assert stats["bytes_allocated"] == sum(stats["bytes"].values())
     assert stats["bytes"]["payload"] + stats["bytes"]["free_pages"] == N * c.page_bytes
-    if stats["budget_bytes"] is not None and cm.decoder is None and cm.recipe.decode is None:
-        decoded = int((c.seen - cm.context_tokens).sum())  # tokens appended after the compression
+    if stats["budget_bytes"] is not None and cm.request.decoder is None and cm.recipe.decode is None:
+        decoded = int((c.seen - cm.request.context_tokens).sum())  # tokens appended after the compression
         L, B, Hkv = c.lengths.shape
         assert stats["bytes_held"] <= stats["budget_bytes"] + (decoded + L * B * Hkv * P) * L * Hkv * c.token_bytes, \
             f"{where}: over budget"
@@ -111,7 +111,7 @@ def soak(bases, calls: int, seed: int, compiled: bool = False, max_len: int = 16
                 for _ in range(new):
                     token = cm.decode(token)[:, -1].argmax(-1, keepdim=True)
             elif op == "fork" and b in live and live[b].seen is not None:
-                child = live[b].fork(recipe if live[b]._observing else None, None)
+                child = live[b].fork(recipe if live[b].request.deferred else None, None)
                 check_invariants(child, where + " (fork)")
                 cm = child
             elif op == "reset" and b in live:

@@ -108,10 +108,9 @@ def test_rewind_is_drop_from_without_compaction(llama_cm):
     cm = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4)
     cm.prefill(prompt(1, 30))
     cm.decode_many(prompt(2, 7))
-    a, b = cm.fork(), cm.fork()
-    seen = a.cache.seen - 5
-    a.cache.rewind(seen)
-    b.cache.drop_from(seen)
+    a, b = cm.fork(), cm.fork()  # a fork may take back what its parent decoded
+    b.cache.drop_from(a.cache.seen - 5)
+    a.rewind(5)
     for layer in range(llama_cm.spec.num_layers):
         (ka, va, pa, ma), (kb, vb, pb, mb) = a.cache.dense(layer), b.cache.dense(layer)
         assert torch.equal(ma.sum(-1), mb.sum(-1)) and torch.equal(pa[ma], pb[mb]) and torch.equal(ka[ma], kb[mb])
@@ -166,3 +165,64 @@ def test_both_caches_end_as_a_fresh_read_of_what_was_kept(llama_cm, other_draft)
             (k, v, pos, valid), (k0, v0, pos0, valid0) = model.cache.dense(layer), fresh.cache.dense(layer)
             assert torch.equal(pos[valid], pos0[valid0])
             torch.testing.assert_close((k[valid], v[valid]), (k0[valid0], v0[valid0]), atol=1e-5, rtol=1e-5)
+
+
+def test_rewind_is_as_if_the_tokens_were_never_read(llama_cm):
+    """``rewind(n)`` (the public call speculative decoding makes): the cache and the next logits are those of a
+    model that never read the last n tokens, and it is no change to tear: decoding goes on."""
+    cm, fresh = (kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4) for _ in range(2))
+    ids, more = prompt(1, 30), prompt(2, 7)
+    for model, read in ((cm, more), (fresh, more[:, :4])):
+        model.prefill(ids)
+        model.decode_many(read)
+    cm.rewind(0)
+    cm.rewind(3)
+    got, want = cm.cache_stats(), fresh.cache_stats()
+    assert (got["lengths"], got["bytes_held"], cm.seen.tolist()) == (want["lengths"], want["bytes_held"],
+                                                                     fresh.seen.tolist())
+    token = torch.tensor([[9]])
+    torch.testing.assert_close(cm.decode(token), fresh.decode(token), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_rewinds_are_refused_naming_the_problem_with_the_cache_unchanged(llama_cm):
+    cm = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4)
+    with pytest.raises(RuntimeError, match="prefilled cache"):
+        cm.rewind(1)
+    cm.prefill(prompt(1, 30))
+    cm.decode_many(prompt(2, 4))
+    before = cm.cache_stats()
+    bad = [(-1, "n must be an int >= 0, got -1"), (1.5, "must be an int >= 0"), (True, "must be an int >= 0"),
+           (5, "only tokens decoded since the last prompt or compression, 4 here, not 5")]
+    for n, message in bad:
+        with pytest.raises(ValueError, match=message):
+            cm.rewind(n)
+        assert cm.cache_stats() == before, f"rewind({n!r}) changed the cache"
+    cm.prefill(prompt(3, 5))  # a new turn: its prompt is no decoded token
+    with pytest.raises(ValueError, match="0 here, not 1"):
+        cm.rewind(1)
+    decoding = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv-decode", page_size=4)
+    decoding.prefill(prompt(1, 30))
+    decoding.decode(torch.tensor([[5]]))
+    before = decoding.cache_stats()
+    with pytest.raises(ValueError, match="recipe 'snapkv-decode' changes its cache while decoding"):
+        decoding.rewind(1)
+    assert decoding.cache_stats() == before
+    decoding.decode(torch.tensor([[6]]))  # not torn
+
+
+def test_read_prompt_reads_as_generate_does(llama_cm):
+    """``read_prompt``: the context compressed before the question, the logits generate samples its first token
+    from, and a refused prompt changes nothing."""
+    cm = kvcompile.apply(llama_cm, budget=0.5, recipe="snapkv", page_size=4)
+    context, question = prompt(5), prompt(6, 6)
+    out = cm.generate(question, context_ids=context, max_new_tokens=1, eos_token_id=[])
+    want = cm.cache_stats()
+    logits = cm.read_prompt(question, context_ids=context, max_new_tokens=1)
+    assert logits.shape == (1, 1, VOCAB) and int(logits[0, -1].argmax()) == int(out[0, -1])
+    got = cm.cache_stats()
+    assert (got["lengths"], got["bytes_held"], got["query_aware"]) == (want["lengths"], want["bytes_held"], False)
+    for kwargs, message in ((dict(max_new_tokens=-1), "max_new_tokens must be an int >= 0"),
+                            (dict(context_ids=prompt(7)[:, :0]), "empty prompt: context_ids")):
+        with pytest.raises(ValueError, match=message):
+            cm.read_prompt(question, **kwargs)
+        assert cm.cache_stats() == got

@@ -131,7 +131,7 @@ class FormatPool(PrecisePositions, AnchorTables):
         """Store every held entry in the page format except each row's ``precise_recent`` newest tokens and its
         anchor pages (``precise``), which stay in the model's dtype; nothing is evicted. What a format recipe that
         evicts nothing does when it compresses, and, while decoding, to the tokens that left its recent window
-        (``Steps._advance``). ``channels``: the key channels each head keeps in a format that drops some
+        (``CompressedModel._advance``). ``channels``: the key channels each head keeps in a format that drops some
         (``Plan.channels``; None: those it keeps now)."""
         held = self.held().long()
         keep = torch.arange(max(int(held.max()), 1), device=self.device).expand(*held.shape, -1)

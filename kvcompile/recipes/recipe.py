@@ -38,7 +38,8 @@ class Recipe:
     rerotate_keys: bool = False  # after compressing, move kept keys to contiguous positions (``kvcompile.rerotation``)
     format: str | None = None  # store what compression keeps in this page format (``kernels.formats``; None: dtype)
     precise_recent: int = 0  # with a format: the newest tokens stay in the model's dtype (KIVI's residual window;
-    # while decoding, every precise_recent tokens, those older than the window move to the format: ``Steps``)
+    # while decoding, every precise_recent tokens, those older than the window move to the format:
+    # ``CompressedModel._advance``)
     precise_anchors: int = 0  # with a format: every n-th page of positions stays in the model's dtype (Minima-KV)
     merge: dict | None = None  # ``methods.merging.ValueMerging`` fields: fold evicted values into kept ones (None: no)
     trained_for: str = ""  # the model whose trained weights the scorer reads (``kvcompile train``): it runs on that one
