@@ -7,9 +7,11 @@ with the context apart. Every ``--every`` calls it samples RSS twice: as it is, 
 glibc's ``malloc_trim(0)`` (what the process still holds rather than what the allocator kept in its free lists).
 
 Attribution. The first ``--every`` calls are warm-up (captures, first kernels, Dynamo's first graphs); growth is
-measured from there. At the end the compile caches are dropped (``torch._dynamo.reset()`` and every compiled
-variant of the programs), and RSS is sampled again: what that released was compile caches; what is left over the
-warm-up sample is "anything else" (a leak, or caches that are not compile caches).
+measured from there. Each sample also counts the graphs Dynamo has compiled so far: growth over an interval in which
+something was compiled is put down to compilation (compiled code, its guards, the kernels Inductor loaded, which
+stay mapped), growth over an interval that compiled nothing is "anything else" (a leak, or a cache that is not a
+compile cache). At the end the compile caches are dropped (``torch._dynamo.reset()``, Inductor's code cache and
+every compiled variant of the programs) and RSS is sampled again, to show how much of it Python can give back.
 
     python bench/soak.py --calls 1000                 # eager
     python bench/soak.py --calls 1000 --compiled      # every call compiled (Inductor)
@@ -76,8 +78,17 @@ def random_call(rng: random.Random, bases, recipes, compiled: bool) -> str:
     return "ran"
 
 
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def drop_compile_caches(bases) -> None:
     torch._dynamo.reset()
+    from torch._inductor.codecache import PyCodeCache
+
+    PyCodeCache.cache_clear()
     for base in bases:
         base.programs._variants = {None: base.programs._variants[None]}
 
@@ -96,30 +107,37 @@ def main() -> None:
                      if r.scorer is not None and not r.trained_for and n != "taskpress")
     bases = [kvcompile.apply(tiny(f), budget=1.0, recipe="full") for f in ("llama", "gemma3")]
     rng, start = random.Random(args.seed), time.perf_counter()
-    samples = [dict(calls=0, rss_mib=rss_mib(False), rss_trimmed_mib=rss_mib(True), seconds=0.0)]
+    sample = lambda call: dict(calls=call, rss_mib=rss_mib(False), rss_trimmed_mib=rss_mib(True),  # noqa: E731
+                               seconds=round(time.perf_counter() - start, 1), compiled_graphs=compiled_graphs())
+    samples = [sample(0)]
     outcomes = {"ran": 0, "refused": 0}
     for call in range(1, args.calls + 1):
         outcomes[random_call(rng, bases, recipes, args.compiled)] += 1
         if call % args.every == 0 or call == args.calls:
-            samples.append(dict(calls=call, rss_mib=rss_mib(False), rss_trimmed_mib=rss_mib(True),
-                                seconds=round(time.perf_counter() - start, 1)))
+            samples.append(sample(call))
             print(samples[-1], flush=True)
     end = samples[-1]["rss_trimmed_mib"]
     drop_compile_caches(bases)
     dropped = rss_mib(True)
-    warm = samples[1]["rss_trimmed_mib"] if len(samples) > 2 else samples[0]["rss_trimmed_mib"]
+    after_warmup = samples[1:] if len(samples) > 2 else samples
+    warm = after_warmup[0]["rss_trimmed_mib"]
+    steps = list(zip(after_warmup, after_warmup[1:]))
+    compiling = sum(b["rss_trimmed_mib"] - a["rss_trimmed_mib"] for a, b in steps
+                    if b["compiled_graphs"] > a["compiled_graphs"])
     summary = dict(calls=args.calls, compiled=args.compiled, outcomes=outcomes, warm_mib=warm, end_mib=end,
-                   after_dropping_compile_caches_mib=dropped, growth_mib=end - warm,
-                   compile_caches_mib=end - dropped, anything_else_mib=dropped - warm)
+                   growth_mib=end - warm, while_compiling_mib=compiling, anything_else_mib=end - warm - compiling,
+                   after_dropping_compile_caches_mib=dropped)
     out.json(dict(summary=summary, samples=samples, recipes=recipes, seed=args.seed))
-    rows = "\n".join(f"| {s['calls']} | {s['seconds']} | {s['rss_mib']:.0f} | {s['rss_trimmed_mib']:.0f} |"
-                     for s in samples)
+    rows = "\n".join(f"| {s['calls']} | {s['seconds']} | {s['compiled_graphs']} | {s['rss_mib']:.0f} | "
+                     f"{s['rss_trimmed_mib']:.1f} |" for s in samples)
     out.markdown(
         f"Soak of {args.calls} {'compiled' if args.compiled else 'eager'} calls ({outcomes['ran']} ran, "
         f"{outcomes['refused']} refused), seed {args.seed}.\n\n"
-        "| calls | s | RSS MiB | RSS MiB after gc + malloc_trim |\n"
-        f"|---|---|---|---|\n{rows}\n\nGrowth after the warm-up ({args.every} calls): {end - warm:+.1f} MiB; "
-        f"dropping the compile caches released {end - dropped:.1f} MiB; anything else: {dropped - warm:+.1f} MiB.\n")
+        "| calls | s | graphs compiled | RSS MiB | RSS MiB after gc + malloc_trim |\n"
+        f"|---|---|---|---|---|\n{rows}\n\nGrowth after the warm-up ({args.every} calls): {end - warm:+.1f} MiB, of "
+        f"which {compiling:+.1f} MiB over intervals that compiled a graph and {end - warm - compiling:+.1f} MiB over "
+        f"intervals that compiled nothing (anything else). Dropping the compile caches at the end gave back "
+        f"{end - dropped:.1f} MiB (compiled kernels stay mapped).\n")
     print(summary)
 
 
