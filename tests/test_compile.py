@@ -85,3 +85,25 @@ def test_compiled_decode_writes_the_pool_in_place(llama_cm, packed):
     assert codes, "the decode step was compiled"
     for shape in (f"({N}, {P}, {D})", f"({N * P}, {D})"):
         assert not any(f"empty_strided_cpu({shape}" in code for code in codes), f"a pool-sized buffer {shape}"
+
+
+@pytest.mark.slow
+def test_one_process_serves_many_shape_classes_compiled():
+    """Recipes with and without an observation ring or weighted pages, one row or two, the context apart or not:
+    more shape classes than Dynamo's default of 8 compiled variants per program, which was a hard error under
+    fullgraph (found by bench/soak.py --compiled). Every call runs and answers what the eager model answers."""
+    from conftest import VOCAB, tiny_model
+
+    base = kvcompile.apply(tiny_model("llama", seed=1), budget=1.0, recipe="full")
+    g = torch.Generator().manual_seed(0)
+    for recipe, budget in [("full", 1.0), ("snapkv", 0.5), ("certkv", 0.5), ("tova", 0.5), ("h2o", 0.5)]:
+        for rows in ([9], [9, 5]):
+            for apart in (False, True):
+                T = max(rows)
+                mask = torch.stack([torch.arange(T) >= T - n for n in rows]).long()
+                ids = torch.randint(2, VOCAB - 1, (len(rows), T), generator=g)
+                q = torch.randint(2, VOCAB - 1, (len(rows), 3), generator=g) if apart else ids
+                args = (q, None, dict(context_ids=ids, context_mask=mask)) if apart else (ids, mask, {})
+                got, want = (kvcompile.apply(base, budget=budget, recipe=recipe, compile=c).generate(
+                    args[0], args[1], **args[2], max_new_tokens=2, eos_token_id=[]) for c in (True, False))
+                assert torch.equal(got, want), f"{recipe} rows={rows} context apart={apart}"
