@@ -38,13 +38,14 @@ from .kernels import cpu_native, reference
 _MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
 EAGER_BODIES: dict = {}  # an attention op's overload -> the Python function it runs: what eager programs call
 # (``passes.CallBodiesDirectly``)
-DECODE_BACKENDS = ("auto", "reference", "flex")
+DECODE_BACKENDS = ("auto", "reference", "flex", "native")
 
 
 def decode_backend() -> str:
     """The decode attention backend, from ``KVCOMPILE_DECODE_BACKEND``: ``auto`` (default: the Triton kernel on
-    CUDA; on the CPU the native one-pass decode, ``kernels.cpu_native``, where it reads the pages and the step is not
-    traced; the PyTorch reference elsewhere), ``reference`` (the PyTorch reference alone), or ``flex``
+    CUDA; on the CPU the native kernels, ``kernels.cpu_native``, where they read the pages and are the faster path
+    on this machine, ``kernels.chooser``; the PyTorch reference elsewhere), ``native`` (as ``auto``, with the native
+    kernels wherever they read the pages, unmeasured), ``reference`` (the PyTorch reference alone), or ``flex``
     (``kernels.flex``: flex_attention compiled by Inductor, its C++ template on CPU; eager programs over model-dtype
     pages only). Read at every decode step of an eager program, and when a compiled one is traced."""
     name = os.environ.get("KVCOMPILE_DECODE_BACKEND", "auto")
@@ -135,7 +136,7 @@ def _attend(
         return out.contiguous()
     if backend == "flex":
         return _flex_decode(args, page_lw)
-    if backend == "auto" and _on_gpu(q) and (stored.empty or stored.triton_reads(q.shape[-1])):
+    if backend in ("auto", "native") and _on_gpu(q) and (stored.empty or stored.triton_reads(q.shape[-1])):
         # the kernel reads each head's pages where they are, packed or not, in any format it decodes
         from .kernels.triton_decode import paged_decode
 
@@ -145,7 +146,7 @@ def _attend(
         if not torch.compiler.is_compiling():  # eager: the op's body, without the dispatcher's cost a layer
             return reference.paged_attention(*args, first_page=first_page, stored=stored).contiguous()
         return format_attention(*args, list(stored), -1 if first_page is None else first_page)
-    if backend == "auto" and window == 0 and torch.compiler.is_compiling() and cpu_native.serves(
+    if backend in ("auto", "native") and window == 0 and torch.compiler.is_compiling() and cpu_native.serves(
             q.reshape(q.shape[0], page_table.shape[2], -1, q.shape[-1]), (None, k_pages, None), (None, v_pages, None)):
         return native_decode(*args[:7], page_lw, scale)
     return reference.paged_attention(*args, first_page=first_page, log_weights=page_lw).contiguous()
@@ -187,7 +188,7 @@ def native_decode(q: Tensor, q_pos: Tensor, k_pages: Tensor, v_pages: Tensor, pa
     """A traced CPU decode step over fp32 pages without a window, as one call to the native decode
     (``kernels.cpu_native``: each head read in place as far as it holds), where Inductor would otherwise compile
     the reference's gather over the page table's whole width. Opaque, as ``format_attention``; the PyTorch decode
-    serves where the native one is switched off when the step runs."""
+    serves where the native one is switched off or slower when the step runs (``cpu_native.attend``)."""
     return reference.paged_attention(q, q_pos, k_pages, v_pages, page_pos, page_table, lengths, scale,
                                      log_weights=page_lw).contiguous()
 
@@ -200,8 +201,8 @@ def _(q, *args):
 @torch.library.custom_op("kvcompile::native_linear", mutates_args=())
 def native_linear(x: Tensor, weight: Tensor) -> Tensor:
     """A traced one-row projection x [1, I] @ weight.T as one call to the native projection
-    (``passes.streamed_linear``); PyTorch's where the native one is switched off when the step runs."""
-    return cpu_native.linear(x, weight) if cpu_native.serves_linear(x, weight) else x @ weight.t()
+    (``passes.streamed_linear``); PyTorch's where the native one is switched off or slower when the step runs."""
+    return cpu_native.linear(x, weight) if cpu_native.runs_linear(x, weight) else x @ weight.t()
 
 
 @native_linear.register_fake

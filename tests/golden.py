@@ -8,7 +8,8 @@ A case that is refused records the refusal's message. ``tests/test_golden.py`` r
 (bitwise where the code path has not changed its reduction order; ``TOLERANCE`` names any case that may differ).
 
 Record anew only for a change meant to change behaviour, never for a refactor:
-``python tests/golden.py --record tests/golden/behaviour.json.gz``.
+``python tests/golden.py --record tests/golden/behaviour.json.gz``. Recorded and replayed with the native CPU
+kernels wherever they read the pages (``NATIVE``), never chosen by timing, which may differ from run to run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -48,6 +50,7 @@ VARIANTS = ("snapkv@24", "snapkv@20KiB", "adakv-snapkv@24", "gemma3:snapkv", "ge
             "kivi2@1.0", "kivi4@1.0", "minima-kv@1.0", "anchorkv@0.5", "think@1.0", "snapkv+kivi2@0.5")
 # learned recipes run on the model they were trained for, not on a tiny random one
 UNTRAINED = "trained for another model"
+NATIVE = {"KVCOMPILE_DECODE_BACKEND": "native"}  # the environment of every case
 # cases whose comparison may not be bitwise, with the reason (none yet)
 TOLERANCE: dict[str, float] = {}
 
@@ -145,4 +148,5 @@ if __name__ == "__main__":
     parser.add_argument("--record", type=Path, required=True, help="where to write the golden file")
     parser.add_argument("--only", nargs="*", help="these cases only")
     args = parser.parse_args()
+    os.environ.update(NATIVE)
     record(args.record, args.only)

@@ -1,6 +1,8 @@
 """The native CPU decode (``kernels.cpu_native``) against plain softmax attention over the decoded rows, on fresh
 random pools of every format it reads and on ragged fp32 heads, its one-row projection against ``F.linear``, and
-both through the public API with the native path switched off (``KVCOMPILE_DECODE_BACKEND=reference``)."""
+both through the public API with the native path switched off (``KVCOMPILE_DECODE_BACKEND=reference``). The
+native kernels are forced on (``KVCOMPILE_DECODE_BACKEND=native``) rather than chosen by timing (``auto``,
+``tests/test_backend_chooser.py``), so each test reads them whichever is faster on the machine."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from kvcompile.kernels.paging import gather_pages
 pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compiler: the PyTorch path serves")
 
 FORMAT_NAMES = ["int8", "int4", "int3", "int2", "fp8", "kivi2", "kivi4"]
+
+
+@pytest.fixture(autouse=True)
+def native_forced(monkeypatch):
+    monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", "native")
 
 
 def attended(calls: list, state):
@@ -116,12 +123,12 @@ def test_decode_is_the_same_with_the_native_path_switched_off(llama_cm, recipe, 
     calls, native_attend = [], cpu_native.attend
     monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: attended(calls, native_attend(*a, **k)))
     logits = []
-    for backend in ("auto", "reference"):
+    for backend in ("native", "reference"):
         monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
         cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4)
         nxt = cm.prefill(ids, mask)[:, -1:].argmax(-1)
         logits.append(torch.cat([cm.decode(nxt), cm.decode(nxt)], 1))
-        assert bool(calls) == (backend == "auto"), "the backend switches the native path on and off"
+        assert bool(calls) == (backend == "native"), "the backend switches the native path on and off"
         calls.clear()
     torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
@@ -135,7 +142,7 @@ def test_a_compiled_decode_calls_the_native_decode(llama_cm, recipe, monkeypatch
     calls, native_attend = [], cpu_native.attend
     monkeypatch.setattr(cpu_native, "attend", lambda *a, **k: attended(calls, native_attend(*a, **k)))
     logits = []
-    for backend, compiled in (("reference", False), ("auto", True)):
+    for backend, compiled in (("reference", False), ("native", True)):
         monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
         cm = kvcompile.apply(llama_cm, budget=budget, recipe=recipe, page_size=4, compile=compiled)
         nxt = cm.prefill(ids, mask)[:, -1:].argmax(-1)
@@ -166,13 +173,13 @@ def test_a_batch_one_decode_projects_with_the_native_linear(llama_cm, compiled, 
     ids = torch.randint(0, 90, (2, 20), generator=torch.Generator().manual_seed(fresh_seed()))
     for rows in (1, 2):
         logits = []
-        for backend in ("reference", "auto"):
+        for backend in ("reference", "native"):
             monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", backend)
-            cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", compile=compiled and backend == "auto")
+            cm = kvcompile.apply(llama_cm, budget=1.0, recipe="full", compile=compiled and backend == "native")
             nxt = cm.prefill(ids[:rows])[:, -1:].argmax(-1)
             calls.clear()
             logits.append(cm.decode(nxt))
-            assert bool(calls) == (backend == "auto" and rows == 1), (backend, rows)
+            assert bool(calls) == (backend == "native" and rows == 1), (backend, rows)
         torch.testing.assert_close(logits[0], logits[1], atol=1e-4, rtol=1e-4)
 
 

@@ -7,7 +7,7 @@ import gzip
 import json
 
 import pytest
-from golden import GOLDEN, TOLERANCE, cases, run_case
+from golden import GOLDEN, NATIVE, TOLERANCE, cases, run_case
 
 with gzip.open(GOLDEN, "rt") as f:
     RECORDED = json.load(f)["cases"]
@@ -16,6 +16,12 @@ with gzip.open(GOLDEN, "rt") as f:
 @pytest.fixture(scope="module")
 def models():
     return {}
+
+
+@pytest.fixture(autouse=True)
+def native(monkeypatch):
+    for name, value in NATIVE.items():
+        monkeypatch.setenv(name, value)
 
 
 def test_the_golden_file_covers_every_case():

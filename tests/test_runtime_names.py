@@ -24,7 +24,7 @@ RUNTIME = (
     "schedule.py", "model.py", "request.py", "generation.py", "speculative.py", "checks.py",
     "observation.py", "restoring.py", "rerotation.py", "plan.py", "signature.py", "spec.py", "budget.py", "artifact.py",
     "adapters.py", "segments.py", "early_stop.py", "gradients.py", "attention_inputs.py", "kernels/reference.py",
-    "kernels/paging.py", "kernels/ragged.py", "kernels/cpu_native.py", "kernels/triton_decode.py",
+    "kernels/paging.py", "kernels/ragged.py", "kernels/cpu_native.py", "kernels/chooser.py", "kernels/triton_decode.py",
     "kernels/triton_compact.py", "kernels/flex.py", "kernels/format_pages.py", "kernels/codec.py",
 )
 # the papers' own spellings of methods whose registered names differ

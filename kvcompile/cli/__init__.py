@@ -12,6 +12,7 @@ results store that a rerun resumes); ``--executor ray`` runs its contexts on Ray
 ``kvcompile analyze diagnose``: full-correct / compressed-wrong rows, evidence coverage, an evidence boost vs a sham.
 ``kvcompile analyze gap``: answer accuracy against the retention and restatement of its supporting chain.
 ``kvcompile train kvzap``: train a learned scorer on offline data (``kvcompile.train``).
+``kvcompile doctor``: the CPU, its flags, its bandwidth, and which backend (native or PyTorch) each op uses and why.
 
 A mistake on the command line (an unknown recipe, task or model, a budget out of range, a results store that is
 not one, an output folder that cannot be written) is found before any model loads (``checks``) and ends in one line
@@ -125,4 +126,15 @@ def _parser() -> argparse.ArgumentParser:
     an = sub.add_parser("analyze", help="analysis tools of the field (kvcompile.eval.analysis)")
     add_analyses(an.add_subparsers(dest="analysis", required=True))
     add_train(sub)
+    doc = sub.add_parser("doctor", help="this machine: CPU, ISA flags, read bandwidth, and the backend each op uses "
+                         "(measured on first use) and why")
+    doc.add_argument("--hidden-size", type=int, default=576, help="the model's shapes (default: SmolLM2-135M's)")
+    doc.add_argument("--intermediate-size", type=int, default=1536)
+    doc.add_argument("--heads", type=int, default=9, help="query heads")
+    doc.add_argument("--kv-heads", type=int, default=3)
+    doc.add_argument("--head-dim", type=int, default=64)
+    doc.add_argument("--formats", default="fp32,int8,int4,fp8,kivi2", help="page formats of the decode rows "
+                     "(fp32: model-dtype pages)")
+    doc.add_argument("--remeasure", action="store_true", help="forget this machine's kept choices and measure again "
+                     "(a choice measured while the machine was busy may be wrong)")
     return parser

@@ -26,7 +26,7 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # what load_model hands to t
 # counts and sizes a command reads, by argparse name: what they may not go below
 POSITIVE = ("n_samples", "length", "tokens", "max_new_tokens", "context", "scored", "windows", "rows", "contexts",
             "window", "hops", "workers", "cpus_per_worker", "steps", "batch", "per_length", "per_context", "rank",
-            "continuation", "lr", "factor")
+            "continuation", "lr", "factor", "hidden_size", "intermediate_size", "heads", "kv_heads", "head_dim")
 NOT_NEGATIVE = ("measure_separate", "greedy_tokens", "max_swaps", "hidden", "ridge", "held_out")
 
 
@@ -115,8 +115,17 @@ def _grid(args) -> None:
         budget(text, "--budgets")
 
 
+def _doctor(args) -> None:
+    if args.heads % args.kv_heads:
+        raise UsageError(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+    for name in _listed(args.formats, "--formats"):
+        if name != "fp32" and name not in FORMATS:
+            raise _unknown("page format", name, ["fp32", *FORMATS], f"the formats: fp32, {', '.join(FORMATS)}")
+
+
 COMMANDS = {"demo": _demo, "eval": _eval, "report": _report, "fidelity": _fidelity, "ceiling": _ceiling,
-            "queryleak": _needles, "nominal": _needles, "diagnose": _needles, "gap": _grid, "train": _train}
+            "queryleak": _needles, "nominal": _needles, "diagnose": _needles, "gap": _grid, "train": _train,
+            "doctor": _doctor}
 
 
 def lm_eval(argv: list[str]) -> None:

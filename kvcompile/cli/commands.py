@@ -185,6 +185,53 @@ def _recipes(args) -> int:
     return 0
 
 
+def _doctor(args) -> int:
+    import os
+    import platform
+
+    import torch
+
+    from kvcompile.kernels import chooser, cpu_native
+    from kvcompile.kernels.formats import FORMATS, encode_pool
+
+    model, flags = chooser.cpu()
+    print(f"CPU: {model} ({platform.machine()}), torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"ISA flags that matter: {' '.join(f for f in chooser.ISA if f in flags) or 'none found'}")
+    print(f"read bandwidth: {chooser.read_bandwidth():.1f} GB/s (the best of 3 sums over 256 MiB)")
+    built = cpu_native.library() is not None
+    print(f"native library: {'built' if built else 'not built (no C compiler, or it failed: PyTorch serves)'}, "
+          f"build {cpu_native.build_key()}")
+    if args.remeasure:
+        chooser.forget(cpu_native.build_key())
+    backend = os.environ.get("KVCOMPILE_DECODE_BACKEND", "auto")
+    print(f"KVCOMPILE_DECODE_BACKEND={backend}; choices kept in "
+          f"{chooser.cache_path(chooser.identity(cpu_native.build_key()))}\n")
+    H, I, D = args.hidden_size, args.intermediate_size, args.head_dim
+    rows = [(f"linear {i}->{o}", what, (lambda i=i, o=o: cpu_native.linear_choice(i, o)))
+            for (i, o), what in {(H, args.heads * D): "q, o", (H, args.kv_heads * D): "k, v", (H, I): "gate, up",
+                                 (I, H): "down"}.items()]
+    for name in _csv(args.formats):
+        codecs = (None, None) if name == "fp32" else (FORMATS[name].key, FORMATS[name].value)
+        pages = torch.randn(2, 64, 16, D)  # keys and values: 64 pages of 16 rows
+        pools = [(c, p, None) if c is None else (c, *encode_pool(c, p)) for c, p in zip(codecs, pages)]
+        q = torch.randn(1, args.kv_heads, args.heads // args.kv_heads, D)
+        served = built and cpu_native.serves(q, *pools)
+        rows.append((f"decode {name} D{D} G{q.shape[2]} P16", f"{name} pages",
+                     (lambda q=q, pools=pools: cpu_native.decode_choice(q, *pools)) if served else None))
+    us = lambda s: "-" if s is None else f"{s * 1e6:.1f} us"  # noqa: E731
+    print(f"{'op':<24}{'what':<13}{'backend':<11}{'native':>12}{'PyTorch':>12}  why")
+    for op, what, choice in rows:
+        if choice is None or backend == "reference":
+            why = "forced by KVCOMPILE_DECODE_BACKEND=reference" if backend == "reference" else (
+                "the native kernel does not read these" if built else "the native library is not built")
+            print(f"{op:<24}{what:<13}{'reference':<11}{'-':>12}{'-':>12}  {why}")
+            continue
+        c = choice()
+        print(f"{op:<24}{what:<13}{'native' if c.native else 'reference':<11}{us(c.native_s):>12}"
+              f"{us(c.reference_s):>12}  {c.reason}")
+    return 0
+
+
 def _train(args) -> int:
     from kvcompile.train.command import run
 
@@ -192,4 +239,4 @@ def _train(args) -> int:
 
 
 RUN = {"demo": _demo, "eval": _eval, "report": _report, "fidelity": _fidelity, "recipes": _recipes,
-       "analyze": _analyze, "train": _train}
+       "analyze": _analyze, "train": _train, "doctor": _doctor}

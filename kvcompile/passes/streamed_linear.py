@@ -21,13 +21,16 @@ def streamed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Te
     ``linear``, 52 ms in this form; its 49152-row vocabulary projection 47 ms against 12 ms); with one row both
     forms cost the same. ``x^T`` must stay a transposed view: made contiguous, it loses the gain.
 
-    One row (a batch-1 decode) both forms read at about a third of the bandwidth, so it goes to the native
-    projection (``cpu_native.linear``; through the opaque ``ops.native_linear`` when traced) where it serves.
+    One row (a batch-1 decode) both forms read at about a third of the bandwidth on some CPUs, so it goes to the
+    native projection (``cpu_native.linear``) where it serves and is the faster here (``cpu_native.runs_linear``);
+    traced, through the opaque ``ops.native_linear``, which chooses when it runs.
     """
     rows = x.reshape(-1, x.shape[-1])
-    if cpu_native.serves_linear(rows, weight):
-        out = (cpu_native.linear(rows, weight) if ragged.concrete(rows)
-               else torch.ops.kvcompile.native_linear(rows, weight))
+    concrete = ragged.concrete(rows)
+    if not concrete and cpu_native.serves_linear(rows, weight):
+        out = torch.ops.kvcompile.native_linear(rows, weight)
+    elif concrete and cpu_native.runs_linear(rows, weight):
+        out = cpu_native.linear(rows, weight)
     else:
         out = torch.mm(weight, rows.t()).t()
     if bias is not None:
