@@ -1,6 +1,7 @@
 """The native CPU decode (``kernels.cpu_native``) against plain softmax attention over the decoded rows, on fresh
 random pools of every format it reads and on ragged fp32 heads, its one-row projection against ``F.linear``, and
-both through the public API with the native path switched off (``KVCOMPILE_DECODE_BACKEND=reference``). The
+both through the public API with the native path switched off (``KVCOMPILE_DECODE_BACKEND=reference``); each for
+this machine's build and, in the full suite, the AVX2 build (``KVCOMPILE_NATIVE_ARCH=haswell``). The
 native kernels are forced on (``KVCOMPILE_DECODE_BACKEND=native``) rather than chosen by timing (``auto``,
 ``tests/test_backend_chooser.py``), so each test reads them whichever is faster on the machine."""
 
@@ -11,7 +12,7 @@ import torch
 from conftest import fast_first, fresh_seed, left_padded_batch
 
 import kvcompile
-from kvcompile.kernels import cpu_native
+from kvcompile.kernels import chooser, cpu_native
 from kvcompile.kernels.formats import FORMATS, encode_pool
 from kvcompile.kernels.paging import gather_pages
 
@@ -20,9 +21,16 @@ pytestmark = pytest.mark.skipif(cpu_native.library() is None, reason="no C compi
 FORMAT_NAMES = ["int8", "int4", "int3", "int2", "fp8", "kivi2", "kivi4"]
 
 
-@pytest.fixture(autouse=True)
-def native_forced(monkeypatch):
+# the build for this machine, and (full suite) the build an AVX2-only x86 machine runs, where this one can run it
+ARCHES = ["native"] + (["haswell"] if {"avx2", "fma"} <= set(chooser.cpu()[1]) else [])
+
+
+@pytest.fixture(autouse=True, params=fast_first(ARCHES, ids=ARCHES))
+def native_forced(request, monkeypatch):
     monkeypatch.setenv("KVCOMPILE_DECODE_BACKEND", "native")
+    monkeypatch.setenv("KVCOMPILE_NATIVE_ARCH", request.param)
+    if cpu_native.library() is None:
+        pytest.skip(f"the native library does not build for -march={request.param} here")
 
 
 def attended(calls: list, state):
@@ -188,18 +196,18 @@ def test_a_compiler_that_fails_leaves_the_pytorch_path(tmp_path, monkeypatch):
     compiler builds into the cache folder and reuses that build."""
     monkeypatch.setenv("KVCOMPILE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    cpu_native.library.cache_clear()
+    cpu_native._built.cache_clear()
     try:
         with pytest.warns(UserWarning, match="did not build"):
             assert cpu_native.library() is None
         assert not cpu_native.enabled()
         monkeypatch.delenv("CC")
-        cpu_native.library.cache_clear()
+        cpu_native._built.cache_clear()
         assert cpu_native.library() is not None
         assert len(list((tmp_path / "native").glob("cpu_decode-*.so"))) == 1
     finally:
         monkeypatch.undo()
-        cpu_native.library.cache_clear()
+        cpu_native._built.cache_clear()
 
 
 @pytest.mark.parametrize("weighted", [False, True])

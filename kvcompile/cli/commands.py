@@ -199,8 +199,8 @@ def _doctor(args) -> int:
     print(f"ISA flags that matter: {' '.join(f for f in chooser.ISA if f in flags) or 'none found'}")
     print(f"read bandwidth: {chooser.read_bandwidth():.1f} GB/s (the best of 3 sums over 256 MiB)")
     built = cpu_native.library() is not None
-    print(f"native library: {'built' if built else 'not built (no C compiler, or it failed: PyTorch serves)'}, "
-          f"build {cpu_native.build_key()}")
+    print(f"native library: {'built' if built else 'not built (no C compiler, or it failed: PyTorch serves)'} for "
+          f"-march={cpu_native.arch()} (KVCOMPILE_NATIVE_ARCH), build {cpu_native.build_key()}")
     if args.remeasure:
         chooser.forget(cpu_native.build_key())
     backend = os.environ.get("KVCOMPILE_DECODE_BACKEND", "auto")

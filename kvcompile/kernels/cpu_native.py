@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +33,7 @@ from .paging import gather_pages
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_linear.c"))
 HEADERS = (Path(__file__).with_name("cpu_lanes.h"),)  # what both include: part of the build's key
 MAX_HEAD_DIM = 512  # the row buffer in cpu_decode.c
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-lm")  # and -march=arch()
 CHUNK = 64  # the most pages a thread reads into one running softmax (a chunk: the unit of work)
 PAIRS = {(32, 32), (8, 8), (4, 4), (3, 3), (2, 2), (0, 0), (-4, 4), (-2, 2)}  # (key kind, value kind): pool_attend
 TRIAL_HEADS, TRIAL_TOKENS = 8, 4096  # the pools a decode shape class is timed on: a layer's cache, long context
@@ -219,9 +220,23 @@ def _ptr(t: Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-@functools.cache
+def arch() -> str:
+    """The CPU the library is compiled for, ``-march``'s value: ``native`` (this machine, the default) or the one
+    ``KVCOMPILE_NATIVE_ARCH`` names, e.g. ``haswell`` (AVX2 and FMA, no AVX-512) to test or time the build an
+    AVX2-only machine runs, on any x86 machine that has those."""
+    name = os.environ.get("KVCOMPILE_NATIVE_ARCH", "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.+-]*", name):
+        raise ValueError(f"KVCOMPILE_NATIVE_ARCH={name!r} is not a -march name such as native or haswell")
+    return name
+
+
 def library() -> ctypes.CDLL | None:
-    """The compiled library, built on first use (None where it cannot be built: the PyTorch path serves)."""
+    """The library compiled for ``arch()``, built on first use (None where it cannot be built: PyTorch serves)."""
+    return _built(arch())
+
+
+@functools.cache
+def _built(arch: str) -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
@@ -231,8 +246,8 @@ def library() -> ctypes.CDLL | None:
         root.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=root) as tmp:  # built aside, then renamed: a reader never sees half
             built = Path(tmp) / path.name
-            result = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
-                                    text=True)
+            result = subprocess.run([compiler, *FLAGS, f"-march={arch}", *map(str, SOURCES), "-o", str(built)],
+                                    capture_output=True, text=True)
             if result.returncode != 0:
                 warnings.warn(f"kvcompile: the native CPU decode did not build ({compiler}); PyTorch "
                               f"serves instead:\n{result.stderr[-2000:]}", stacklevel=2)
@@ -243,12 +258,17 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-@functools.cache
 def build_key() -> str:
     """The library's version: its sources, flags and the CPU it is compiled for (a choice of backend is kept per
     build: ``chooser``)."""
+    return _build_key(arch())
+
+
+@functools.cache
+def _build_key(arch: str) -> str:
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    return hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_identity().encode()).hexdigest()[:16]
+    flags = " ".join((*FLAGS, f"-march={arch}"))
+    return hashlib.sha256(source + flags.encode() + _cpu_identity().encode()).hexdigest()[:16]
 
 
 def _cpu_identity() -> str:
