@@ -22,6 +22,7 @@ from record import Results
 
 import kvcompile
 from kvcompile.kernels.formats import FORMATS
+from kvcompile.methods.learned import MissingWeights
 from kvcompile.methods.sources import ExtraPass, Gradients, HiddenStates, Reconstruction
 
 EXTRA_PASS = (Reconstruction, Gradients, HiddenStates, ExtraPass)
@@ -45,7 +46,7 @@ def measure(base, tokenizer, recipes: list[str], context: int, batch: int, budge
         try:  # text a recipe names (a meta-query, anchor patterns) as this tokenizer's ids
             recipe = kvcompile.recipes.anchors.resolve(name, tokenizer)
             models[name] = kvcompile.apply(base, budget=budget, recipe=recipe)
-        except ValueError as e:
+        except (ValueError, MissingWeights) as e:  # not for this setting, or weights not trained here
             models[name] = str(e)
     widest = max((m for m in models.values() if not isinstance(m, str)), key=lambda m: m.observation_window)
     widest = kvcompile.apply(base, budget=1.0, recipe=widest.recipe)
