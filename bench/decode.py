@@ -30,8 +30,12 @@ import torch
 from record import Results
 
 import kvcompile
-from kvcompile.model import RESERVE_AHEAD
 from kvcompile.programs import Programs
+
+try:
+    from kvcompile.model import RESERVE_AHEAD
+except ImportError:  # a commit before kvcompile.request (bench/compare_commits.py runs this script against one)
+    from kvcompile.steps import RESERVE_AHEAD
 
 
 def timed(fn):
