@@ -62,21 +62,21 @@ def check_row_budgets(bases, recipe, family, budget, rows, question, page_size, 
     return "compressed"
 
 
+CALLS = dict(recipe=st.sampled_from(RECIPES), family=st.sampled_from(FAMILIES), budget=budgets,
+             rows=st.lists(st.integers(1, 200), min_size=1, max_size=3), question=st.integers(1, 8),
+             page_size=st.sampled_from([8, 16, 32]), chunk=st.sampled_from([None, None, 24, 48]),
+             seed=st.integers(0, 2**31 - 1))  # one call of a user: what it runs, on what, how compressed
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(recipe=st.sampled_from(RECIPES), family=st.sampled_from(FAMILIES), budget=budgets,
-       rows=st.lists(st.integers(1, 200), min_size=1, max_size=3), question=st.integers(1, 8),
-       page_size=st.sampled_from([8, 16, 32]), chunk=st.sampled_from([None, None, 24, 48]),
-       seed=st.integers(0, 2**31 - 1))
+@given(**CALLS)
 def test_every_row_holds_its_budget(bases, recipe, family, budget, rows, question, page_size, chunk, seed):
     event(check_row_budgets(bases, recipe, family, budget, rows, question, page_size, chunk, seed))
 
 
 @pytest.mark.slow
 @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(recipe=st.sampled_from(RECIPES), family=st.sampled_from(FAMILIES), budget=budgets,
-       rows=st.lists(st.integers(1, 200), min_size=1, max_size=3), question=st.integers(1, 8),
-       page_size=st.sampled_from([8, 16, 32]), chunk=st.sampled_from([None, None, 24, 48]),
-       seed=st.integers(0, 2**31 - 1))
+@given(**CALLS)
 def test_every_row_holds_its_budget_long(bases, recipe, family, budget, rows, question, page_size, chunk, seed):
     event(check_row_budgets(bases, recipe, family, budget, rows, question, page_size, chunk, seed))
 
