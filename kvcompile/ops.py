@@ -153,12 +153,12 @@ def _attend(
 
 
 def _first_chunk(q_pos, lengths, stored, window) -> bool:
-    """Whether every head holds exactly the new tokens, at consecutive positions (so no padding), with no format
-    pool or window: attention is then plain causal over the new keys and values, one SDPA call as the uncompressed
-    model makes, without reading back what was just written (a new entry's log-weight is 0, so weights change
-    nothing)."""
+    """Whether every head holds exactly the new tokens, at consecutive positions (so no padding), with no entry in a
+    format pool and no window: attention is then plain causal over the new keys and values, one SDPA call as the
+    uncompressed model makes, without reading back what was just written (a new entry's log-weight is 0, so weights
+    change nothing)."""
     T = q_pos.shape[1]
-    return (window == 0 and stored.empty and bool((lengths == T).all())
+    return (window == 0 and not stored.holds_entries() and bool((lengths == T).all())
             and bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all()))
 
 

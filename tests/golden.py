@@ -51,8 +51,15 @@ VARIANTS = ("snapkv@24", "snapkv@20KiB", "adakv-snapkv@24", "gemma3:snapkv", "ge
 # learned recipes run on the model they were trained for, not on a tiny random one
 UNTRAINED = "trained for another model"
 NATIVE = {"KVCOMPILE_DECODE_BACKEND": "native"}  # the environment of every case
-# cases whose comparison may not be bitwise, with the reason (none yet)
-TOLERANCE: dict[str, float] = {}
+# cases whose comparison may not be bitwise, with the reason. Their page format's pool is read by the multi-token
+# attention (the question, the decode steps of a sliding layer), which became one fused flash-attention call on the
+# CPU (issue 53): the same kept positions, bytes and tokens, logits within fp32 rounding of another summation order
+# (largest difference seen 3.2e-5, on Qwen3's one KV head; 1.2e-6 on the others).
+TOLERANCE: dict[str, float] = dict.fromkeys((
+    "anchorkv@0.5", "full+anchor2", "full+bf16", "full+fp16", "full+fp8", "full+int2", "full+int8", "full+kivi4",
+    "full+tq3", "gemma3:full+int8", "gemma3:snapkv+int4", "kivi2@1.0", "kivi4@1.0", "minima-kv@1.0",
+    "qwen3:adakv-snapkv+int4", "saki", "snapkv+int3", "snapkv+int4", "snapkv+k8v4", "snapkv+kivi2",
+    "snapkv+kivi2@0.5", "snapkv+think", "spectra", "think@1.0"), 1e-4)
 
 
 def cases() -> list[str]:

@@ -142,7 +142,7 @@ def check_attention_over_both(build, P: int, T: int, window: int) -> None:
     stored, stored_heads = build(stored_lengths, P, D, g)
     start = max(stored_lengths)
     pool, dtype_heads = dtype_pool([3, 0, 2 + T], P, D, g, start)
-    q = torch.randn(1, Hq, T, D, generator=g)
+    q = torch.randn(D, T, Hq, 1, generator=g).permute(3, 2, 1, 0)  # strided, as a decode step's queries arrive
     q_pos = (start + 2 + torch.arange(T))[None]
     out = reference.paged_attention(q, q_pos, *pool, 0.3, window, stored=stored, block_bytes=64)
     G = Hq // len(stored_lengths)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import assert_decode_agrees, assert_plain_at_full_budget, left_padded_batch
+from conftest import assert_decode_agrees, assert_plain_at_full_budget, fresh_seed, left_padded_batch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import kvcompile
@@ -104,6 +104,50 @@ def test_core_memory_is_exact_for_its_reference_query_and_retention_covers_keys(
     mass = torch.tensor([[[0.4, 0.35, 0.2, 0.05]]])
     assert Core(gamma=0.0).retain(obs, mass, torch.tensor([[2]])).tolist() == [[[True, True, False, False]]]
     assert Core(gamma=1.0).retain(obs, mass, torch.tensor([[2]])).tolist() == [[[True, False, True, False]]]
+
+
+def plain_core_greedy(obs, scores, counts, gamma, delta):
+    """CORE's retention greedy written out head by head over every token: the gain of each token not yet kept,
+    log pi_j + gamma log(delta (1 + k_j^T (K_S + delta I)^-1 k_j)) with the inverse recomputed, pinned first."""
+    from kvcompile.methods.shares import attention_mass
+
+    mass, pinned = attention_mass(scores)
+    B, Hkv, S = scores.shape
+    unit = torch.nn.functional.normalize(obs.keys.double(), dim=-1)
+    kept = torch.zeros(B, Hkv, S, dtype=torch.bool)
+    for b in range(B):
+        for h in range(Hkv):
+            chosen = []
+            for _ in range(int(counts[b, h])):
+                A = delta * torch.eye(unit.shape[-1], dtype=torch.double)
+                for j in chosen:
+                    A += unit[b, h, j, :, None] * unit[b, h, j]
+                x = (unit[b, h] @ torch.linalg.inv(A) * unit[b, h]).sum(-1)
+                q = mass[b, h].double().clamp_min(1e-12).log().masked_fill(pinned[b, h], float("inf"))
+                gain = (q + gamma * (delta * (1 + x)).log()).masked_fill(scores[b, h] == float("-inf"), -float("inf"))
+                gain[chosen] = -float("inf")
+                if gain.max() == -float("inf"):
+                    break
+                chosen.append(int(gain.argmax()))
+            kept[b, h, chosen] = True
+    return kept
+
+
+def test_core_retention_picks_what_the_plain_greedy_picks():
+    """The greedy over only the tokens whose gain bound can reach the kept set, with Sherman-Morrison updates,
+    keeps what the greedy written out keeps (inverse recomputed, every token a candidate): heavy-tailed and flat
+    masses, pinned and unheld tokens, heads asked for none or one token."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    for gamma, delta, spread in ((1.0, 0.1, 3.0), (0.3, 0.5, 0.3), (2.0, 0.05, 1.0), (1.0, 0.1, 0.3)):
+        B, Hkv, S, D = 2, 3, 48, 8
+        keys = torch.randn(B, Hkv, S, D, generator=g)
+        obs = observation(keys, keys, torch.randn(B, Hkv, 1, D, generator=g), torch.full((B, 1), S))
+        scores = torch.softmax(spread * torch.randn(B, Hkv, S, generator=g), -1)  # heavy-tailed to flat
+        scores[0, 0, :3] = float("inf")  # pinned
+        scores[1, 2, 40:] = float("-inf")  # not held
+        counts = torch.tensor([[5, 0, 1], [12, 9, 20]])
+        got = Core(gamma=gamma, delta=delta).retain(obs, scores, counts)
+        assert torch.equal(got, plain_core_greedy(obs, scores, counts, gamma, delta)), (gamma, delta)
 
 
 def test_cam_merges_into_the_following_kept_tokens_as_specified():

@@ -77,8 +77,8 @@ def test_a_changed_helper_or_constant_changes_the_fingerprint(tmp_path):
     base = probe_code(tmp_path, PROBE)
     # the base class, and what its code and annotations name
     assert set(base) == {"fp_probe.Probe", "fp_probe.helper", "fp_probe.OFFSET", "kvcompile.methods.base.Scorer",
-                         "kvcompile.methods.base.Observation", "kvcompile.methods.sources.Source",
-                         "kvcompile.methods.sources.QueryWindow"}
+                         "kvcompile.methods.base.Observation", "kvcompile.methods.base.SPAN_QUERIES",
+                         "kvcompile.methods.sources.Source", "kvcompile.methods.sources.QueryWindow"}
     assert probe_code(tmp_path, PROBE.replace("return x + OFFSET", "return x - OFFSET")) != base
     assert probe_code(tmp_path, PROBE.replace("OFFSET = 1", "OFFSET = 2")) != base
 

@@ -45,6 +45,52 @@ def dense_attention(obs: Observation):
     return torch.softmax(logits.masked_fill(~causal, float("-inf")), -1)
 
 
+def ragged_obs(g: torch.Generator, window: int, weighted: bool, every_query: bool) -> Observation:
+    """Random rows of different lengths (left padding), slots some heads do not hold, a window in ring order
+    (slots shuffled, unfilled slots -1) of every query or of the last few, optionally log-weights and a sliding
+    window."""
+    B, Hkv, G, S, D = 2, 2, 3, int(torch.randint(20, 140, (1,), generator=g)), 8
+    W = S if every_query else int(torch.randint(1, S + 1, (1,), generator=g))
+    pad = torch.randint(0, S // 2, (B,), generator=g)
+    positions = (torch.arange(S)[None] - pad[:, None]).clamp_min(0)[:, None].expand(B, Hkv, S).contiguous()
+    valid = (torch.arange(S)[None] >= pad[:, None])[:, None] & (torch.rand(B, Hkv, S, generator=g) > 0.2)
+    query_positions = torch.arange(S - W, S)[None] - pad[:, None]
+    query_positions = query_positions.masked_fill(query_positions < 0, -1)[:, torch.randperm(W, generator=g)]
+    return Observation(torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g), positions,
+                       valid, torch.randn(B, Hkv * G, W, D, generator=g), query_positions, 0.3, window, 0, 1,
+                       log_weights=torch.rand(B, Hkv, S, generator=g) if weighted else None)
+
+
+def plain_window_attention(obs: Observation, chunk: int = 0) -> torch.Tensor:
+    """[B, Hq, W, S] the observed queries' attention written out with one mask over every (query, key) pair."""
+    G = obs.queries.shape[1] // obs.keys.shape[1]
+    logits = obs.queries @ obs.keys.repeat_interleave(G, 1).transpose(-1, -2) * obs.scale
+    if obs.log_weights is not None:
+        logits = logits + obs.log_weights.repeat_interleave(G, 1)[:, :, None]
+    qp, kp = obs.query_positions[:, None, :, None], obs.positions.repeat_interleave(G, 1)[:, :, None]
+    seen = (qp // chunk == kp // chunk) if chunk else (kp <= qp)
+    seen = seen & obs.valid.repeat_interleave(G, 1)[:, :, None] & (qp >= 0)
+    if obs.window:
+        seen = seen & (qp - kp < obs.window)
+    return torch.softmax(logits.masked_fill(~seen, float("-inf")), -1).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("window, weighted, chunk", [(0, False, 0), (0, True, 0), (7, False, 0), (0, False, 6)])
+def test_observed_attention_equals_the_plain_softmax(window, weighted, chunk):
+    """The observation's attention (a block of ``SPAN_QUERIES`` queries or more over only the keys it can see, the
+    mask only where some query does not see a key; a smaller one over every key) equals one softmax over every pair,
+    as a whole, by block and summed by key."""
+    g = torch.Generator().manual_seed(fresh_seed())
+    for every_query in (True, True, False, False, False):
+        obs = ragged_obs(g, window, weighted, every_query)
+        want = plain_window_attention(obs, chunk)
+        torch.testing.assert_close(obs.window_attention(chunk=chunk), want)
+        W = want.shape[2]
+        torch.testing.assert_close(obs.window_attention(slice(W // 3, W), chunk=chunk), want[:, :, W // 3 :])
+        for block in (1, 5, 64):
+            torch.testing.assert_close(obs.received_attention(block, chunk=chunk), want.sum(2))
+
+
 def build(name, **kwargs):
     return SCORERS[name](**kwargs)
 

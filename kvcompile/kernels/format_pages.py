@@ -48,6 +48,11 @@ class FormatPages(NamedTuple):
         """True when there is no format pool (a cache without a page format: a static shape, 0 pages)."""
         return self.k.shape[0] == 0
 
+    def holds_entries(self) -> bool:
+        """Whether any head holds an entry in the pool: a check of values, for eager code and opaque ops only (a
+        prefill before the first compression attends to its model-dtype pages alone)."""
+        return not self.empty and bool(self.lengths.any())
+
     @property
     def latent(self) -> bool:
         return self.basis is not None and self.basis.shape[0] > 0

@@ -70,18 +70,18 @@ def paged_attention(
     then read in place by ``cpu_native`` (one pass, each head as far as it holds). ``first_page``: the heads' pages
     are the packed run starting there (``PagedKVCache.packed``), read in place instead of gathered. ``stored``: the
     layer's format pool, whose entries every head also holds (``FormatPages``; attended by ``stored_decode`` for a
-    decode step without a window, else by ``merged_attention``). ``log_weights``: the pool's log-weights
-    ([N_pages, P], added to each entry's logit: an entry of weight w gets the mass of w tokens with its key); None
-    or empty ([0, P]) for plain tokens. A cache holds weighted entries in its model-dtype pool only, so the format
-    paths take none.
+    decode step without a window, else by ``merged_attention`` where it holds any entry). ``log_weights``: the
+    pool's log-weights ([N_pages, P], added to each entry's logit: an entry of weight w gets the mass of w tokens
+    with its key); None or empty ([0, P]) for plain tokens. A cache holds weighted entries in its model-dtype pool
+    only, so the format paths take none.
     """
     if stored is not None and not stored.empty:
         pages = (k_pages, v_pages, page_pos, page_table, lengths, first_page)
         if q.shape[2] == 1 and window == 0:
             both = _native_two_pools(q, pages, stored, scale)
             return both if both is not None else stored_decode(q, gather_dense(*pages), stored, scale)
-        dense = gather_dense(*pages)
-        return merged_attention(q, q_pos, dense, stored, scale, window, block_bytes)
+        if stored.holds_entries():  # else (a prefill before any compression) the model-dtype pages alone
+            return merged_attention(q, q_pos, gather_dense(*pages), stored, scale, window, block_bytes)
     B, Hq, T, D = q.shape
     if T == 1 and window == 0 and ragged.concrete(lengths):  # in place, each head as far as it holds
         out = cpu_native.decode(q, k_pages, v_pages, page_table, lengths, scale, log_weights)
@@ -220,19 +220,31 @@ def _native_two_pools(q, pages: tuple, stored: FormatPages, scale: float) -> Ten
 
 def _partial(q, q_pos, keys, values, k_pos, valid, scale: float, window: int):
     """Softmax attention of q [B, Hq, T, D] over one tile of keys: output [B, Hq, T, D] (fp32) and its
-    log-sum-exp [B, Hq, T] (-inf where a query sees nothing in the tile)."""
+    log-sum-exp [B, Hq, T] (-inf where a query sees nothing in the tile). On the CPU one fused flash-attention call
+    (scores never leave the cache), each KV head's G query heads read as G x T rows; elsewhere scores, softmax and
+    values in PyTorch."""
     B, Hq, T, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
     G = Hq // Hkv
-    scores = torch.matmul(q.float().reshape(B, Hkv, G * T, D), keys.float().transpose(-1, -2)) * scale
     dq, dk = q_pos.long()[:, None, :, None], k_pos[:, :, None, :]  # [B, 1, T, 1], [B, Hkv, 1, S]
     visible = valid[:, :, None, :] & (dk <= dq)
     if window > 0:
         visible = visible & (dq - dk < window)
+    qf, kf, vf = q.float().reshape(B, Hkv, G * T, D), keys.float(), values.float()
+    if q.device.type == "cpu":
+        mask = torch.zeros(visible.shape, device=q.device).masked_fill_(~visible, float("-inf"))
+        mask = mask[:, :, None].expand(B, Hkv, G, T, S).reshape(B, Hkv, G * T, S)
+        qf, kf, vf = qf.contiguous(), kf.contiguous(), vf.contiguous()  # strided views: wrong results (torch 2.13)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, kf, vf, attn_mask=mask, scale=scale)
+        blind = ~visible.any(-1)[:, :, None]  # a query that sees nothing here: the op leaves lse 0, out undefined
+        lse = lse.view(B, Hkv, G, T).masked_fill(blind, float("-inf"))
+        out = out.view(B, Hkv, G, T, D).masked_fill(blind[..., None], 0.0)
+        return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale
     scores = scores.view(B, Hkv, G, T, S).masked_fill(~visible[:, :, None], float("-inf"))
     lse = torch.logsumexp(scores, -1)  # [B, Hkv, G, T]
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.matmul(probs.view(B, Hkv, G * T, S), values.float()).view(B, Hq, T, D)
+    out = torch.matmul(probs.view(B, Hkv, G * T, S), vf).view(B, Hq, T, D)
     return out, lse.reshape(B, Hq, T)
 
 

@@ -28,6 +28,7 @@ from .sources import (  # noqa: F401  (the sources a method declares, importable
 )
 
 SCORERS: dict[str, type] = {}
+SPAN_QUERIES = 64  # a block of this many observed queries or more attends over only the span of keys it sees
 ALLOCATORS: dict[str, type] = {}
 
 
@@ -89,29 +90,96 @@ class Observation:
         ``queries`` picks a slice of the window ([B, Hq, w, S]), so a scorer that reads many queries can go block by
         block and never hold a W x S tensor. ``chunk > 0``: non-causal attention within position chunks of that
         size (query and key in the same chunk) instead of causal attention."""
-        B, Hkv, S, D = self.keys.shape
-        Hq, q = self.queries.shape[1], self.queries[:, :, queries]
-        W = q.shape[2]
-        q = q.reshape(B, Hkv, Hq // Hkv, W, D).float()
-        logits = torch.einsum("bhgwd,bhsd->bhgws", q, self.keys.float()) * self.scale
-        logits = logits if self.log_weights is None else logits + self.log_weights[:, :, None, None, :]
-        qp = self.query_positions[:, queries][:, None, None, :, None]
-        kp = self.positions[:, :, None, None, :]
-        order = (qp // chunk == kp // chunk) if chunk > 0 else (kp <= qp)
-        visible = self.valid[:, :, None, None, :] & order & (qp >= 0)
-        if self.window > 0:
-            visible = visible & (qp - kp < self.window)
-        attn = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-        return attn.reshape(B, Hq, W, S)
+        attn, keys = self.attention_span(queries, chunk)
+        attn = attn.flatten(1, 2)
+        S = self.keys.shape[2]
+        if keys == slice(0, S):
+            return attn
+        full = attn.new_zeros(*attn.shape[:-1], S)
+        full[..., keys] = attn
+        return full
+
+    def attention_span(self, queries: slice, chunk: int = 0, buffer: Tensor | None = None) -> tuple[Tensor, slice]:
+        """``window_attention`` over only the span of held slots the queries may see: attention [B, Hkv, G, w, s]
+        and the span (a slice of S). A block of early queries under causal attention stops at the last key it
+        reads, so a scorer that sums or maxes over every query of a long prompt does half the work. The span is
+        searched (a few reads of the device) for blocks of ``SPAN_QUERIES`` queries or more; a smaller window (a
+        decode-time schedule's) reads every held slot. ``buffer``: a flat fp32 tensor the attention is written
+        into (reused across blocks: no new memory per block)."""
+        search = self.queries[:, :, queries].shape[2] >= SPAN_QUERIES
+        keys = self._seen_keys(queries, chunk) if search else slice(0, self.keys.shape[2])
+        logits, every_row_sees = self._logits(queries, keys, chunk, buffer, search)
+        attn = torch.ops.aten._softmax.out(logits, -1, False, out=logits)  # in place: each row read, then written
+        return (attn if every_row_sees else attn.nan_to_num_(0.0)), keys
 
     def received_attention(self, block: int, chunk: int = 0) -> Tensor:
         """[B, Hq, S] attention each held key received, summed over every observed query, ``block`` queries at a
         time (so no W x S tensor exists); ``chunk`` as in ``window_attention``."""
-        B, _, S, _ = self.keys.shape
-        total = torch.zeros(B, self.queries.shape[1], S, device=self.keys.device)
+        B, Hkv, S, _ = self.keys.shape
+        Hq = self.queries.shape[1]
+        total = torch.zeros(B, Hkv, Hq // Hkv, S, device=self.keys.device)
+        buffer = torch.empty(B * Hq * min(block, self.queries.shape[2]) * S, device=self.keys.device)
         for queries in self.query_blocks(block):
-            total += self.window_attention(queries, chunk=chunk).sum(2)
-        return total
+            attn, keys = self.attention_span(queries, chunk, buffer)
+            total[..., keys] += attn.sum(3)
+        return total.flatten(1, 2)
+
+    def _seen_keys(self, queries: slice, chunk: int) -> slice:
+        """The span of held slots any query of ``queries`` may see (by position: a superset of what each sees)."""
+        qp = self.query_positions[:, queries]
+        real = qp >= 0
+        if not bool(real.any()):
+            return slice(0, 0)
+        first, last = self._query_range(qp)
+        kp = self.positions
+        if chunk > 0:
+            seen = (kp // chunk >= first // chunk) & (kp // chunk <= last // chunk)
+        else:
+            seen = (kp <= last) & ((kp > first - self.window) if self.window > 0 else True)
+        idx = (seen & self.valid).flatten(0, 1).any(0).nonzero()
+        return slice(int(idx[0]), int(idx[-1]) + 1) if idx.numel() else slice(0, 0)
+
+    @staticmethod
+    def _query_range(qp: Tensor) -> tuple[Tensor, Tensor]:
+        """The first and last real query position of each row, [B, 1, 1] each."""
+        real = qp >= 0
+        first = qp.masked_fill(~real, 2**62).amin(-1)[:, None, None]
+        return first, qp.masked_fill(~real, -1).amax(-1)[:, None, None]
+
+    def _logits(self, queries: slice, keys: slice, chunk: int, buffer: Tensor | None,
+                search: bool) -> tuple[Tensor, bool]:
+        """[B, Hkv, G, w, s] scaled logits of the queries ``queries`` over the held slots ``keys``, -inf where a
+        query does not see a key, and whether every query row sees some key (no row is all -inf). ``search``: the
+        mask is applied only to the slots some query of the block does not see (under causal attention, the
+        diagonal)."""
+        B, Hkv, _, D = self.keys.shape
+        q = self.queries[:, :, queries]
+        G, w, s = q.shape[1] // Hkv, q.shape[2], keys.stop - keys.start
+        out = None if buffer is None else buffer[: B * Hkv * G * w * s].view(B, Hkv, G * w, s)
+        q = q.reshape(B, Hkv, G * w, D).float()
+        logits = torch.matmul(q, self.keys[:, :, keys].float().transpose(-1, -2), out=out).mul_(self.scale)
+        logits = logits.view(B, Hkv, G, w, s)
+        if self.log_weights is not None:
+            logits += self.log_weights[:, :, None, None, keys]
+        qp = self.query_positions[:, queries]
+        masked, every_row_sees = keys, False
+        if search and chunk == 0 and bool((qp >= 0).all()):  # the slots every query sees need no mask
+            first, last = self._query_range(qp)
+            kp = self.positions[:, :, keys]
+            always = self.valid[:, :, keys] & (kp <= first) & ((kp > last - self.window) if self.window > 0 else True)
+            partly = (~always).flatten(0, 1).any(0).nonzero()
+            every_row_sees = s > 0 and bool(always.flatten(0, 1).all(0).any())
+            if partly.numel() == 0:
+                return logits, every_row_sees
+            masked = slice(keys.start + int(partly[0]), keys.start + int(partly[-1]) + 1)
+        qp = qp[:, None, None, :, None]
+        kp = self.positions[:, :, None, None, masked]
+        order = (qp // chunk == kp // chunk) if chunk > 0 else (kp <= qp)
+        visible = self.valid[:, :, None, None, masked] & order & (qp >= 0)
+        if self.window > 0:
+            visible = visible & (qp - kp < self.window)
+        logits[..., masked.start - keys.start : masked.stop - keys.start].masked_fill_(~visible, float("-inf"))
+        return logits, every_row_sees
 
     def query_blocks(self, block: int) -> list[slice]:
         """Slices of at most ``block`` window slots that cover every real observed query, skipping empty blocks."""

@@ -3,6 +3,7 @@ written into a few memory entries instead of dropped."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -54,30 +55,47 @@ class Core(Allocator):
         return per_head_share(lengths, budget)[None, :, None].minimum(lengths.long())
 
     def retain(self, obs: Observation, scores: Tensor, counts: Tensor) -> Tensor:
-        """[B, Hkv, S] the ``counts`` [B, Hkv] tokens each head keeps (the greedy of the class docstring)."""
+        """[B, Hkv, S] the ``counts`` [B, Hkv] tokens each head keeps (the greedy of the class docstring).
+
+        A token's gain never exceeds log pi_j + gamma log(1 + delta) (x_j <= 1 / delta for a unit key) and never
+        falls below log pi_j + gamma log delta, so a token whose bound from above is under the ``counts``-th best
+        bound from below is never picked: the greedy runs over the other candidates only (the same picks)."""
         mass, pinned = attention_mass(scores)
         S = scores.shape[-1]
-        unit = F.normalize(obs.keys[:, :, :S].float(), dim=-1)
-        B, Hkv, _, D = unit.shape
         quality = mass.clamp_min(_TINY).log().masked_fill(scores == float("-inf"), float("-inf"))
         quality = quality.masked_fill(pinned, float("inf"))
+        candidates = self._candidates(quality, counts)  # [B, Hkv, C] slots, in slot order
+        quality = quality.gather(-1, candidates)
+        unit = F.normalize(obs.keys[:, :, :S].float(), dim=-1)
+        B, Hkv, _, D = unit.shape
+        unit = unit.gather(2, candidates[..., None].expand(B, Hkv, -1, D))
         inverse = torch.eye(D, device=unit.device).expand(B, Hkv, D, D) / self.delta
         x = unit.pow(2).sum(-1) / self.delta  # k^T A^-1 k with A = delta I
         kept = torch.zeros_like(quality, dtype=torch.bool)
         for step in range(int(counts.max())):
             gain = (quality + self.gamma * (self.delta * (1 + x)).clamp_min(_TINY).log()).masked_fill(
                 kept, -float("inf"))
-            pick = gain.argmax(-1)  # [B, Hkv]
-            live = (step < counts) & (gain.gather(-1, pick[..., None])[..., 0] > -float("inf"))
-            kept.scatter_(-1, pick[..., None], live[..., None])
-            k = unit.gather(2, pick[..., None, None].expand(B, Hkv, 1, D))[:, :, 0]  # [B, Hkv, D]
-            w = torch.einsum("bhij,bhj->bhi", inverse, k)
-            denom = 1 + (k * w).sum(-1)
-            update = live[..., None].float() / denom[..., None]
-            inverse = inverse - update[..., None] * w[..., :, None] * w[..., None, :]
-            x = x - update * torch.einsum("bhsd,bhd->bhs", unit, w).pow(2)
-        return kept
+            pick = gain.argmax(-1, keepdim=True)  # [B, Hkv, 1]
+            live = (step < counts[..., None]) & (gain.gather(-1, pick) > -float("inf"))
+            kept.scatter_(-1, pick, live | kept.gather(-1, pick))  # a head with nothing left picks a kept slot
+            k = unit.gather(2, pick[..., None].expand(B, Hkv, 1, D))  # [B, Hkv, 1, D]
+            w = torch.matmul(k, inverse)  # k^T A^-1 (A is symmetric)
+            update = live[..., None].float() / (1 + (k * w).sum(-1, keepdim=True))
+            inverse = inverse - update * w.transpose(-1, -2) * w
+            x = x - update[..., 0] * torch.matmul(w, unit.transpose(-1, -2))[:, :, 0].pow(2)
+        return torch.zeros(B, Hkv, S, dtype=torch.bool, device=kept.device).scatter_(-1, candidates, kept)
 
+    def _candidates(self, quality: Tensor, counts: Tensor) -> Tensor:
+        """[B, Hkv, C] the slots the greedy can pick, in slot order (a head with fewer pads with repeats of its
+        last candidate slot, which cannot be picked twice: see ``retain``)."""
+        lift = self.gamma * (math.log(1 + self.delta) - math.log(self.delta)) + 1e-3  # the most a gain can move,
+        # and a margin for rounding
+        floor = quality.sort(-1, descending=True).values  # the counts-th best quality of each head
+        floor = floor.gather(-1, (counts.long() - 1).clamp(0, quality.shape[-1] - 1)[..., None])
+        able = (quality >= floor - lift) & (quality > -float("inf"))
+        C = max(1, int(able.sum(-1).max()))
+        order = torch.sort(able.to(torch.int8), dim=-1, descending=True, stable=True).indices[..., :C]
+        return order.sort(-1).values
     def memorize(self, obs: Observation, evicted: Tensor, scores: Tensor, counts: Tensor):
         """The memory entries of each head: keys, values [B, Hkv, M, D], positions, log-weights [B, Hkv, M] and how
         many each head writes [B, Hkv] (at most ``counts``, at most its evicted tokens; none with ``merged=False``)."""

@@ -27,8 +27,9 @@ class KVgrad(KVzip):
     def sources(self):
         return QueryWindow(self.window), Reconstruction(), LayerWeights("o_proj"), Gradients()
 
-    def probe_attention(self, obs: Observation, queries: slice):
-        return obs.window_attention(queries) * obs.query_gradients[:, None, queries, None]
+    def probe_attention(self, obs: Observation, queries: slice, buffer):
+        attn, keys = obs.attention_span(queries, buffer=buffer)
+        return attn.mul_(obs.query_gradients[:, None, None, queries, None]), keys
 
     def key_weights(self, obs: Observation):
         return output_norms(obs)  # the same for every probe: applied once, after the max over probes

@@ -62,9 +62,10 @@ class KVzip(Scorer):
         ones = torch.ones(instruction.shape, dtype=torch.bool, device=real.device)
         return torch.cat([instruction, input_ids], 1), torch.cat([ones, real.bool()], 1)
 
-    def probe_attention(self, obs: Observation, queries: slice):
-        """[B, Hq, w, S] what the reconstruction queries of the window slice ``queries`` pay each held key."""
-        return obs.window_attention(queries)
+    def probe_attention(self, obs: Observation, queries: slice, buffer) -> tuple[torch.Tensor, slice]:
+        """What the reconstruction queries of the window slice ``queries`` pay each held key of the span they see:
+        [B, Hkv, G, w, s] and the span (``Observation.attention_span``, written into ``buffer``)."""
+        return obs.attention_span(queries, buffer=buffer)
 
     def key_weights(self, obs: Observation):
         """[B, Hq, S] a per-key factor on the best probe's attention (None: none)."""
@@ -72,9 +73,13 @@ class KVzip(Scorer):
 
     def score_per_query_head(self, obs: Observation):
         B, Hkv, S, _ = obs.keys.shape
-        best = torch.zeros(B, obs.queries.shape[1], S, device=obs.keys.device)
+        Hq = obs.queries.shape[1]
+        best = torch.zeros(B, Hkv, Hq // Hkv, S, device=obs.keys.device)
+        buffer = torch.empty(B * Hq * min(self.block, obs.queries.shape[2]) * S, device=obs.keys.device)
         for queries in obs.query_blocks(self.block):
-            best = torch.maximum(best, self.probe_attention(obs, queries).amax(2))
+            attn, keys = self.probe_attention(obs, queries, buffer)
+            torch.maximum(best[..., keys], attn.amax(3), out=best[..., keys])
+        best = best.flatten(1, 2)
         weights = self.key_weights(obs)
         best = best if weights is None else best * weights
         G = best.shape[1] // Hkv
