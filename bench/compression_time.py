@@ -66,7 +66,10 @@ def needs_pass(cm) -> bool:
     return cm.scorer is not None and any(isinstance(s, EXTRA_PASS) for s in cm.scorer.sources())
 
 
-def measure(base, tokenizer, recipes: list[str], context: int, batch: int, budget: float, progress) -> list[dict]:
+def measure(base, tokenizer, recipes: list[str], context: int, batch: int, budget: float, progress,
+            rows: list[dict]) -> None:
+    """Append a row per recipe to ``rows``, calling ``progress(message)`` after each (a process killed for memory
+    keeps what was written before it)."""
     g = torch.Generator().manual_seed(context * 10 + batch)
     ids = torch.randint(100, base.programs.vocab_size - 100, (batch, context), generator=g)
     models = {}
@@ -83,7 +86,6 @@ def measure(base, tokenizer, recipes: list[str], context: int, batch: int, budge
     t0 = time.perf_counter()
     widest.prefill(ids, compress=False, logits="last")
     prefill = time.perf_counter() - t0
-    rows = []
     for name, cm in models.items():
         row = dict(recipe=name, context=context, batch=batch, prefill_s=round(prefill, 3))
         if isinstance(cm, str):
@@ -100,7 +102,6 @@ def measure(base, tokenizer, recipes: list[str], context: int, batch: int, budge
         row["within"] = row["ratio"] <= row["bound"]
         rows.append(row)
         progress(f"{context}x{batch} {name}: {row['compress_s']:.2f} s, {row['ratio']:.2f}x prefill")
-    return rows
 
 
 def table(rows: list[dict], settings: list[tuple[int, int]]) -> str:
@@ -112,7 +113,10 @@ def table(rows: list[dict], settings: list[tuple[int, int]]) -> str:
     for name in dict.fromkeys(r["recipe"] for r in rows):
         cellv, bound = [], ""
         for c, b in settings:
-            r = by[(name, c, b)]
+            r = by.get((name, c, b))
+            if r is None:
+                cellv.append("not measured")
+                continue
             if "refused" in r:
                 cellv.append("refused")
                 continue
@@ -129,16 +133,22 @@ def main() -> None:
     p.add_argument("--batches", default="1,4")
     p.add_argument("--budget", type=float, default=0.25)
     p.add_argument("--recipes", default=None, help="comma-separated (default: every prefill recipe and format)")
+    p.add_argument("--skip", default="", help="comma-separated recipes left out (one this machine cannot hold)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     out = Results("compression_time", args.out)
     model, tokenizer = kvcompile.load_model(args.model)
     base = kvcompile.apply(model, budget=1.0, recipe="full")
-    recipes = args.recipes.split(",") if args.recipes else cells()
+    recipes = [r for r in (args.recipes.split(",") if args.recipes else cells()) if r not in args.skip.split(",")]
     settings = [(int(c), int(b)) for c in args.contexts.split(",") for b in args.batches.split(",")]
     rows = []
+
+    def progress(message: str) -> None:
+        print(message, flush=True)
+        out.json(dict(rows=rows, budget=args.budget, model=args.model))
+
     for context, batch in settings:
-        rows += measure(base, tokenizer, recipes, context, batch, args.budget, lambda s: print(s, flush=True))
+        measure(base, tokenizer, recipes, context, batch, args.budget, progress, rows)
         out.json(dict(rows=rows, budget=args.budget, model=args.model))
     over = sorted({r["recipe"] for r in rows if r.get("within") is False})
     out.markdown(f"Compression time against the prefill of the same context ({args.model}, budget {args.budget}, "

@@ -213,12 +213,22 @@ def _probe(obs: Observation, probes: int):
     return attn, lse, q * seen[..., None]
 
 
-def _distortion(attn, lse, q, values, k_mean, v_mean, log_w, scale, nodes) -> Tensor:
-    """Step 3's distortion [B, Hkv, nodes] of each node's prototype over the probe queries."""
+def _distortion(attn, lse, q, values, k_mean, v_mean, log_w, scale, nodes, chunk_bytes: int = 1 << 24) -> Tensor:
+    """Step 3's distortion [B, Hkv, nodes] of each node's prototype over the probe queries, a chunk of nodes at a
+    time (each node's is its own: a chunk bounds the [B, Hkv, U, nodes, D] products, hundreds of MB at 4k x 4)."""
     B, Hkv, U, S = attn.shape
     a = attn.unflatten(-1, (nodes, S // nodes))  # [B, Hkv, U, nodes, size]
+    v = values.unflatten(2, (nodes, S // nodes))  # [B, Hkv, nodes, size, D]
+    step = max(1, chunk_bytes // (4 * B * Hkv * U * v.shape[-1]))
+    chunks = [slice(i, i + step) for i in range(0, nodes, step)]
+    return torch.cat([_node_distortion(a[:, :, :, n], lse, q, v[:, :, n], k_mean[:, :, n], v_mean[:, :, n],
+                                       log_w[:, :, n], scale) for n in chunks], -1)
+
+
+def _node_distortion(a, lse, q, values, k_mean, v_mean, log_w, scale) -> Tensor:
+    """The distortion of a chunk of nodes: a [B, Hkv, U, n, size] the probes' attention to their members."""
     Z = a.sum(-1)  # [B, Hkv, U, nodes]
-    M = torch.einsum("bhuns,bhnsd->bhund", a, values.unflatten(2, (nodes, S // nodes)))
+    M = torch.einsum("bhuns,bhnsd->bhund", a, values)
     logit = torch.einsum("bhud,bhnd->bhun", q, k_mean) * scale + log_w[:, :, None]
     Zt = (logit - lse[..., None]).exp().nan_to_num(0.0, posinf=0.0) * (Z > 0)
     Du = (Z - Zt).pow(2) / (Z.pow(2) + _EPS) + (M - Zt[..., None] * v_mean[:, :, None]).pow(2).sum(-1) / (
