@@ -118,11 +118,16 @@ class Observation:
         B, Hkv, S, _ = self.keys.shape
         Hq = self.queries.shape[1]
         total = torch.zeros(B, Hkv, Hq // Hkv, S, device=self.keys.device)
-        buffer = torch.empty(B * Hq * min(block, self.queries.shape[2]) * S, device=self.keys.device)
+        buffer = self.block_buffer(block)
         for queries in self.query_blocks(block):
             attn, keys = self.attention_span(queries, chunk, buffer)
             total[..., keys] += attn.sum(3)
         return total.flatten(1, 2)
+
+    def block_buffer(self, block: int) -> Tensor:
+        """A flat fp32 buffer that holds ``attention_span`` of any block of ``block`` observed queries."""
+        B, Hq, W, _ = self.queries.shape
+        return torch.empty(B * Hq * min(block, W) * self.keys.shape[2], device=self.keys.device)
 
     def _seen_keys(self, queries: slice, chunk: int) -> slice:
         """The span of held slots any query of ``queries`` may see (by position: a superset of what each sees)."""

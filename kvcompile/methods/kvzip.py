@@ -75,7 +75,7 @@ class KVzip(Scorer):
         B, Hkv, S, _ = obs.keys.shape
         Hq = obs.queries.shape[1]
         best = torch.zeros(B, Hkv, Hq // Hkv, S, device=obs.keys.device)
-        buffer = torch.empty(B * Hq * min(self.block, obs.queries.shape[2]) * S, device=obs.keys.device)
+        buffer = obs.block_buffer(self.block)
         for queries in obs.query_blocks(self.block):
             attn, keys = self.probe_attention(obs, queries, buffer)
             torch.maximum(best[..., keys], attn.amax(3), out=best[..., keys])
