@@ -139,6 +139,14 @@ def test_sweep_shared_prefill_equals_separate_cells(tiny, tmp_path):
     assert {p.suffix for p in paths} >= {".csv", ".json", ".md"} and "answers that differ: 0" in paths[2].read_text()
 
 
+def test_a_sweep_of_chosen_cells_runs_those_and_the_reference_alone(tiny):
+    _, tok, cm = tiny
+    cells = [("snapkv", 0.5), ("knorm", 0.25)]
+    result = sweep.run(cm, tok, cells, None, ["passkey"], n_samples=1, length=512, progress=False)
+    assert [(r["recipe"], r["budget"]) for r in result["rows"]] == [("full", "1"), ("snapkv", "0.5"), ("knorm", "0.25")]
+    assert result["config"]["budgets"] == ["0.5", "0.25"]
+
+
 def test_lm_eval_entry_point_adds_the_task_folder(monkeypatch):
     import sys
 

@@ -50,7 +50,7 @@ def run(
     cm: CompressedModel,
     tokenizer,
     recipes: list,
-    budgets: list,
+    budgets: list | None,
     tasks: list[str],
     *,
     n_samples: int = 10,
@@ -66,7 +66,8 @@ def run(
     """Run the grid; returns ``{"rows": [...], "samples": [...], "timing": {...}, "config": {...}}``: ``rows``
     one per cell (``report.COLUMNS``), ``samples`` one per (cell, sample) as the store holds them.
 
-    ``recipes``: names from ``kvcompile.recipes()`` or ``Recipe`` objects; ``budgets``: anything ``apply`` takes.
+    ``recipes``: names from ``kvcompile.recipes()`` or ``Recipe`` objects; ``budgets``: anything ``apply`` takes
+    (None: ``recipes`` are (recipe, budget) pairs, ``grid``).
 
     ``cm`` is any ``CompressedModel`` of the model (it is re-targeted, never modified). The full-budget cell is
     always run first (it is the reference for KL). ``measure_separate``: for that many contexts, also run every
@@ -110,11 +111,12 @@ def run(
     return result(samples, timing, cells, budgets, tasks, n_samples, length, seed)
 
 
-def grid(recipes: list, budgets: list) -> list[tuple[Recipe, Budget]]:
-    """The cells of a sweep: the full-budget cell first (the KL reference), then every recipe at every budget."""
-    chosen = [get_recipe(r) for r in recipes]
-    return [(get_recipe("full"), Budget.parse(1.0))] + [
-        (r, Budget.parse(b)) for r in chosen for b in budgets if r.name != "full"]
+def grid(recipes: list, budgets: list | None) -> list[tuple[Recipe, Budget]]:
+    """The cells of a sweep: the full-budget cell first (the KL reference), then every recipe at every budget; with
+    ``budgets`` None, ``recipes`` are the (recipe, budget) cells themselves (a grid that is not a product)."""
+    pairs = [(r, b) for r in recipes for b in budgets] if budgets is not None else recipes
+    chosen = [(get_recipe(r), Budget.parse(b)) for r, b in pairs]
+    return [(get_recipe("full"), Budget.parse(1.0))] + [(r, b) for r, b in chosen if r.name != "full"]
 
 
 class Sweeper:
@@ -189,6 +191,7 @@ def result(samples: list, timing: dict, cells: list, budgets, tasks, n_samples, 
     timing["cells_s"] = sum(s["wall_s"] for s in samples)
     if timing["separate_contexts"]:
         timing["shared_over_separate"] = timing["separate_shared_s"] / timing["separate_s"]
+    budgets = dict.fromkeys(str(b) for _, b in cells[1:]) if budgets is None else budgets
     config = {"recipes": list(dict.fromkeys(r.name for r, _ in cells)), "budgets": [str(b) for b in budgets],
               "tasks": tasks, "n_samples": n_samples, "length": length, "seed": seed, "query_aware": False,
               "recipe_tags": {r.name: r.tag for r, _ in cells},

@@ -16,6 +16,8 @@ Codecs (D = head dim, G = group size along D):
     kivi4/kivi2  KIVI: keys per channel over the P rows of a page (page-local metadata), values as int4/int2
     think        ThinK: keys keep D - floor(D rho) channels, listed per page (``pruned``); values fp32
     tq3          Minima-KV: rows rotated (Hadamard), 3-bit codes, one grid per page (``tq3``)
+    rot2..rot4   rows rotated (random signs, Hadamard), Gaussian Lloyd-Max levels, an fp16 scale per row
+                 (``rotated``); rotk3v2, rotk4v2: keys at 3 or 4 bits, values at 2
     spectra4..2  SPECTRA: rows in a per-head latent basis calibrated per model, bits per channel group by energy
                  (``latent``; int4..int2's bytes: codes of 4..2 bits a channel on average, fp16 scale and minimum
                  per group of 32); the basis is the cache's (``fmt_basis``), so ``codec_of`` never names it
@@ -189,7 +191,8 @@ FORMATS: dict[str, PageFormat] = {f.name: f for f in (
     PageFormat("kivi2", ChannelCodec(2), _INT[2]),
     PageFormat("think", PrunedCodec(0.5), FloatCodec(torch.float32)),  # ThinK at rho = 0.5, values unchanged
     PageFormat("tq3", TQ3Keys(), TQ3Values()),  # Minima-KV's packed 3-bit pages
-    *(PageFormat(f"rot{b}", RotatedCodec(b), RotatedCodec(b)) for b in (2, 3)),  # Hadamard, Gaussian levels
+    *(PageFormat(f"rot{b}", RotatedCodec(b), RotatedCodec(b)) for b in (2, 3, 4)),  # Hadamard, Gaussian levels
+    *(PageFormat(f"rotk{b}v2", RotatedCodec(b), RotatedCodec(2)) for b in (3, 4)),  # keys rank, values are mixed
     *(PageFormat(f"spectra{b}", LatentCodec(b, 32, rotary=True), LatentCodec(b, 32)) for b in (4, 3, 2)),
     PageFormat("saki4", LatentCodec(4, 32, rotary=True, basis="saki"), LatentCodec(4, 32, basis="identity")),
     PageFormat("anchor2", AnchorCodec(), AnchorCodec()),

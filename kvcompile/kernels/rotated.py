@@ -1,4 +1,5 @@
-"""Rotated rows at 2 or 3 bits a channel (formats ``rot2``, ``rot3``): the rotation-then-Gaussian-levels idea of
+"""Rotated rows at 2, 3 or 4 bits a channel (formats ``rot2``, ``rot3``, ``rot4``, and keys and values at different
+bits: ``rotk3v2``, ``rotk4v2``): the rotation-then-Gaussian-levels idea of
 TurboQuant and QuaRot, written here from their descriptions (not their code).
 
 A row x [D] is multiplied by fixed random signs and rotated by the orthonormal Walsh-Hadamard transform H. That
@@ -27,8 +28,9 @@ from .hadamard import fwht
 from .packing import pack, unpack
 
 # the positive half of the Lloyd-Max levels of a standard Gaussian (Max, 1960), and their mean squared error
-LEVELS = {2: (0.4528, 1.5104), 3: (0.2451, 0.7560, 1.3440, 2.1520)}
-GAUSSIAN_MSE = {2: 0.1175, 3: 0.03455}
+LEVELS = {2: (0.4528, 1.5104), 3: (0.2451, 0.7560, 1.3440, 2.1520),
+          4: (0.1284, 0.3880, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326)}
+GAUSSIAN_MSE = {2: 0.1175, 3: 0.03455, 4: 0.009501}
 SIGN_SEED = 0
 SCALE_FLOOR = 2.0**-24  # smallest fp16 scale kept: an all-zero row decodes to zeros
 
@@ -58,7 +60,7 @@ def unrotate(y: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class RotatedCodec(RowCodec):
-    """``bits`` (2 or 3) a channel in the rotated basis, codes packed along D, an fp16 scale per row."""
+    """``bits`` (2, 3 or 4) a channel in the rotated basis, codes packed along D, an fp16 scale per row."""
 
     bits: int
     exact_reencode = False  # the scale is the row's RMS, which a decoded row does not keep exactly
@@ -72,7 +74,7 @@ class RotatedCodec(RowCodec):
 
     def _check(self, head_dim: int) -> None:
         if self.bits not in LEVELS or head_dim & (head_dim - 1) or head_dim < 8:
-            raise ValueError(f"rot{self.bits} pages need 2 or 3 bits and a power-of-two head dim of at least 8, "
+            raise ValueError(f"rot{self.bits} pages need 2, 3 or 4 bits and a power-of-two head dim of at least 8, "
                              f"got {self.bits} bits and head dim {head_dim}")
 
     def encode(self, x: Tensor) -> tuple[Tensor, Tensor]:

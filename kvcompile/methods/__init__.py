@@ -2,6 +2,7 @@
 
 from . import (  # noqa: F401  (registration)  # noqa: F401  (registration)  # noqa: F401  (kvpress)  # noqa: F401  (registration)  # noqa: F401  (decode time)  # noqa: F401  (registration: kvpress's wrappers)  # noqa: F401  (registration: by structure)  # noqa: F401  (registration: learned scorers)
     adakv,
+    attention_matching,
     cam,
     capkv,
     catekv,

@@ -171,6 +171,15 @@ _BUILTIN = [
            inferred="the method from third-party full-text reads; the summary's log-weight (the tail's mass for the "
                     "mean window query) is our choice, the paper leaves a mass term open; a head evicting one token "
                     "keeps it"),
+    Recipe("attention-matching", "kvzip", "attention-matching", {"n_sink": 4, "window": 8192},
+           {"references": 512}, source="https://arxiv.org/abs/2602.16284 (Attention Matching)", provenance="abstract",
+           inferred="from the abstract and third-party summaries of the method (its code was not read): reference "
+                    "queries from KVzip's reconstruction of the context (the paper's repeat-prefill, without its "
+                    "instruction; 512 of its queries, evenly spaced), read once for every layer from the "
+                    "uncompressed model (the paper builds them layer by layer on the compacted cache); keys the "
+                    "highest-RMS-attention subset; non-negative least squares by 300 accelerated projected-gradient "
+                    "steps; values by least squares with a 1e-4 relative ridge; every head the same number of "
+                    "entries; KVzip's 4 sinks kept as they are"),
     Recipe("gracekv", "snapkv", "gracekv", {"window": 32, "kernel": 7}, {"slot": 64, "beta": 0.1},
            source="https://arxiv.org/abs/2608.07001", provenance="abstract",
            inferred="the method from a full-text summary (no code): fixed slots of 64 tokens instead of the "
@@ -297,6 +306,13 @@ _BUILTIN = [
                       "and while decoding, every 128 tokens, those that left that window move to the format, so "
                       "128 to 256 stay in the dtype (KIVI quantizes every full group of 32: 128 to 160)")
       for bits in (2, 4)),
+    Recipe("minikv", "snapkv", "pyramid", {"window": 32, "kernel": 7}, {"beta": 20.0, "window": 32},
+           format="kivi2", precise_recent=32, source="https://arxiv.org/abs/2411.18077 (MiniKV)",
+           provenance="abstract",
+           inferred="from the abstract and the project page's overview: pyramid layer budgets over SnapKV's scores "
+                    "stand for its 'rectified' selection policy (not described there), and the kept tokens are "
+                    "stored as KIVI's 2-bit layout (keys per channel over a page, values per token); the newest 32 "
+                    "tokens (SnapKV's window) stay in the model's dtype, paid from the same byte budget"),
     *FORMAT_RECIPES,
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILTIN}
