@@ -116,7 +116,7 @@ def test_fingerprints_are_the_same_in_another_process_with_another_hash_seed():
 
 # ------------------------------------------------------------------------------------------ provenance
 def test_every_builtin_recipe_states_its_provenance():
-    assert len(RECIPES) == 72
+    assert len(RECIPES) == 74
     unstated = [name for name, r in RECIPES.items() if r.provenance == "custom"]
     assert not unstated, f"built-in recipes must state their evidence: {unstated}"
     assert {r.provenance for r in RECIPES.values()} <= set(PROVENANCE)

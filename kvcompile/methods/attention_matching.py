@@ -10,10 +10,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .base import PROTOTYPES, Allocator, Observation, is_pinned, register_allocator
+from .base import PROTOTYPES, Allocator, Observation, is_pinned, register_allocator, register_scorer
+from .kvzip import KVzip
 
 _TINY = 1e-30
 _NEVER = -torch.finfo(torch.float32).max  # a scorer's -inf (KVzip's reconstruction tokens), as the engine passes it
+
+
+@register_scorer("reconstruction-queries")
+@dataclass
+class ReconstructionQueries(KVzip):
+    """KVzip's reconstruction of the context for a method that reads the reconstruction's queries itself
+    (``attention-matching``): no probe scores (every context token scores 0), the reconstruction's own tokens never
+    kept, the first ``n_sink`` pinned."""
+
+    def score(self, obs: Observation):
+        return self.context_frame(obs, obs.keys.new_zeros(obs.positions.shape, dtype=torch.float32))
 
 
 @register_allocator("attention-matching")

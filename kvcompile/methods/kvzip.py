@@ -82,11 +82,16 @@ class KVzip(Scorer):
         best = best.flatten(1, 2)
         weights = self.key_weights(obs)
         best = best if weights is None else best * weights
-        G = best.shape[1] // Hkv
+        return self.context_frame(obs, best)
+
+    def context_frame(self, obs: Observation, scores):
+        """``scores`` [B, H, S] (H = Hkv or Hq) with the reconstruction's own tokens at -inf (never kept) and the
+        first ``n_sink`` tokens pinned."""
+        G = scores.shape[1] // obs.keys.shape[1]
         first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
         appended = (obs.positions >= first[:, None, None]).repeat_interleave(G, 1)
-        best = best.masked_fill(appended, float("-inf"))
-        return protect(best, (obs.positions < self.n_sink).repeat_interleave(G, 1))
+        scores = scores.masked_fill(appended, float("-inf"))
+        return protect(scores, (obs.positions < self.n_sink).repeat_interleave(G, 1))
 
     def score(self, obs: Observation):
         scores = self.score_per_query_head(obs)

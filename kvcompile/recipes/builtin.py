@@ -171,7 +171,7 @@ _BUILTIN = [
            inferred="the method from third-party full-text reads; the summary's log-weight (the tail's mass for the "
                     "mean window query) is our choice, the paper leaves a mass term open; a head evicting one token "
                     "keeps it"),
-    Recipe("attention-matching", "kvzip", "attention-matching", {"n_sink": 4, "window": 8192},
+    Recipe("attention-matching", "reconstruction-queries", "attention-matching", {"n_sink": 4, "window": 8192},
            {"references": 512}, source="https://arxiv.org/abs/2602.16284 (Attention Matching)", provenance="abstract",
            inferred="from the abstract and third-party summaries of the method (its code was not read): reference "
                     "queries from KVzip's reconstruction of the context (the paper's repeat-prefill, without its "
