@@ -26,7 +26,8 @@ def test_bytes_held_within_budget(llama_cm, recipe, budget):
     cm.prefill(ids, mask)
     stats = cm.cache_stats()
     assert stats["bytes_held"] <= stats["budget_bytes"]
-    if recipe not in UNDERSPENT:
+    kept_all = bool((cm.cache.held() == cm.cache.seen[None, :, None]).all())  # a page format that holds every token
+    if recipe not in UNDERSPENT and not kept_all:
         assert stats["bytes_held"] >= 0.75 * stats["budget_bytes"], "the budget should be (nearly) used"
     held = cm.cache.bytes_held()
     per_row = cm.budget_bytes()

@@ -51,7 +51,8 @@ def check_invariants(cm, where: str) -> None:
     assert ids.numel() + 1 <= N, f"{where}: the pool is smaller than what heads own"
     assert (c.page_table[~owned] == 0).all(), f"{where}: a slot past a head's pages points at a page"
     assert stats["bytes_allocated"] == sum(stats["bytes"].values())
-    assert stats["bytes"]["payload"] + stats["bytes"]["free_pages"] == N * c.page_bytes
+    stored = sum(getattr(c, name).nbytes for name in ("fmt_k", "fmt_k_meta", "fmt_v", "fmt_v_meta"))  # format pool
+    assert stats["bytes"]["payload"] + stats["bytes"]["free_pages"] == N * c.page_bytes + stored
     if stats["budget_bytes"] is not None and cm.request.decoder is None and cm.recipe.decode is None:
         decoded = int((c.seen - cm.request.context_tokens).sum())  # tokens appended after the compression
         L, B, Hkv = c.lengths.shape

@@ -96,7 +96,7 @@ class AttentionMatching(Allocator):
         layer = {"kept": kept, "counts": counts, "live": live}
         if t == 0:
             none = obs.keys.new_zeros(B, Hkv, 0, 0, dtype=torch.float64)
-            return layer | {"gram": none, "rhs": none[..., 0]}
+            return layer | {"gram": none, "rhs": none.sum(-1)}
         attn = self._reference_attention(obs) * compact[:, :, None]  # [B, Hkv, R, S] over J only
         mass = attn.sum(-1)  # [B, Hkv, R]
         target = torch.matmul(attn, obs.values.float()) / mass.clamp_min(_TINY)[..., None]

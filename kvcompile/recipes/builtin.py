@@ -307,12 +307,13 @@ _BUILTIN = [
                       "128 to 256 stay in the dtype (KIVI quantizes every full group of 32: 128 to 160)")
       for bits in (2, 4)),
     Recipe("minikv", "snapkv", "pyramid", {"window": 32, "kernel": 7}, {"beta": 20.0, "window": 32},
-           format="kivi2", precise_recent=32, source="https://arxiv.org/abs/2411.18077 (MiniKV)",
+           format="kivi2", source="https://arxiv.org/abs/2411.18077 (MiniKV)",
            provenance="abstract",
            inferred="from the abstract and the project page's overview: pyramid layer budgets over SnapKV's scores "
                     "stand for its 'rectified' selection policy (not described there), and the kept tokens are "
-                    "stored as KIVI's 2-bit layout (keys per channel over a page, values per token); the newest 32 "
-                    "tokens (SnapKV's window) stay in the model's dtype, paid from the same byte budget"),
+                    "stored as KIVI's 2-bit layout (keys per channel over a page, values per token); no token stays "
+                    "in the model's dtype (a window there would be paid from the same byte budget, and refuse "
+                    "budgets it alone exceeds)"),
     *FORMAT_RECIPES,
 ]
 RECIPES: dict[str, Recipe] = {r.name: r for r in _BUILTIN}
