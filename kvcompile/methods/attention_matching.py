@@ -126,10 +126,7 @@ class AttentionMatching(Allocator):
         group: R = G x their number) over every held slot (0 where a query does not see it)."""
         B, Hkv, S, _ = obs.keys.shape
         W = obs.queries.shape[2]
-        attn, keys = obs.attention_span(slice(0, W, -(-W // self.references)))
-        out = attn.new_zeros(B, Hkv, attn.shape[2] * attn.shape[3], S)
-        out[..., keys] = attn.flatten(2, 3)
-        return out
+        return obs.window_attention(slice(0, W, -(-W // self.references))).reshape(B, Hkv, -1, S)
 
 
 def _nnls(gram: Tensor, rhs: Tensor, live: Tensor, iterations: int) -> Tensor:
