@@ -27,6 +27,8 @@ from .observation import observe
 from .plan import DTYPE_FORMAT, STORED_FORMAT, NewEntries, Plan, padded, pinned_levels, rank, select
 from .spec import LayerSpec
 
+NEVER = -torch.finfo(torch.float32).max  # a scorer's -inf as ``score_all`` passes it: ranked last, and no candidate
+
 
 def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...], allocator: Allocator | None = None,
               dense: dict | None = None):
@@ -39,7 +41,7 @@ def score_all(cache: PagedKVCache, scorer: Scorer, layers: tuple[LayerSpec, ...]
     for layer in layers:
         obs = observe(cache, layer, dense)
         s = scorer.score(obs).float().nan_to_num(0.0, posinf=torch.finfo(torch.float32).max)
-        s = s.clamp_min(-torch.finfo(torch.float32).max).masked_fill(~obs.valid, float("-inf"))
+        s = s.clamp_min(NEVER).masked_fill(~obs.valid, float("-inf"))
         out[layer.index, :, :, : s.shape[-1]] = s[..., :S]
         if allocator is not None:
             stats.append(allocator.layer_stats(obs, out[layer.index]))
@@ -125,7 +127,7 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers, len
     rows = []
     for layer in layers:
         obs = observe(cache, layer)
-        candidate = padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])  # not apart, in window
+        candidate = padded(scores[layer.index] > NEVER, obs.valid.shape[-1])  # not apart, in window, not NEVER
         evicted = obs.valid & candidate & ~padded(kept[layer.index], obs.valid.shape[-1])
         rows.append(allocator.summarize(obs, evicted))
     keys, values, positions, log_weights = (torch.stack(x) for x in zip(*rows))  # [L, B, Hkv, D] x 2, [L, B, Hkv] x 2
@@ -136,8 +138,8 @@ def plan_tail_summary(cache, allocator, scores, stats, budget_bytes, layers, len
 def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers, lengths) -> Plan:
     """Every entry an allocator's choice of original tokens and prototypes (``Allocator.prototypes``),
     within the budget's pages of each row; when every held token fits, all are kept as they are. Tokens that are no
-    candidates (scored -inf: out of a sliding window, or kept apart) are left out of the allocator's view (``lengths``
-    counts the rest)."""
+    candidates (out of a sliding window, kept apart, or scored -inf by the scorer: ``NEVER``) are left out of the
+    allocator's view: neither kept nor stood for."""
     held = cache.held().long()
     max_pages = budget_bytes // cache.stored_page_bytes
     if bool((cache.pages_held(held).sum((0, 2)) <= max_pages).all()):
@@ -145,7 +147,7 @@ def plan_prototypes(cache, allocator, scores, stats, budget_bytes, layers, lengt
     observations = []
     for layer in layers:
         obs = observe(cache, layer)
-        candidate = padded(scores[layer.index] > float("-inf"), obs.valid.shape[-1])
+        candidate = padded(scores[layer.index] > NEVER, obs.valid.shape[-1])
         observations.append(dataclasses.replace(obs, valid=obs.valid & candidate))
     kept, keys, values, positions, log_weights, counts = allocator.prototypes(observations, scores, max_pages,
                                                                              cache.page_size)
@@ -163,7 +165,7 @@ def plan_memory(cache, allocator, scores, stats, budget_bytes, layers, lengths) 
         obs = observe(cache, layer)
         s = scores[layer.index]
         kept.append(allocator.retain(obs, s, counts[layer.index] - memory[layer.index]))
-        rows.append(allocator.memorize(obs, (s > float("-inf")) & ~kept[-1], s, memory[layer.index]))
+        rows.append(allocator.memorize(obs, (s > NEVER) & ~kept[-1], s, memory[layer.index]))
     keys, values, positions, log_weights, written = (torch.stack(x) for x in zip(*rows))
     return Plan.of_mask(torch.stack(kept), new=NewEntries(keys, values, positions, written, log_weights))
 

@@ -71,7 +71,7 @@ def restores(sources: tuple[Source, ...]) -> int:
 
 def observe(cache: PagedKVCache, layer: LayerSpec, dense: dict | None = None) -> Observation:
     """Layer ``layer`` of the cache as a method sees it (dense per-head views plus the ring's queries); ``dense``:
-    what ``reconstructing`` yields (``"gradients"`` [L, B, W], ``"hidden"`` [L, B, P, hidden])."""
+    what ``reconstructing`` yields (``"gradients"`` and ``"probe_norms"`` [L, B, W], ``"hidden"`` [L, B, P, hidden])."""
     dense = dense or {}
     keys, values, positions, valid = cache.dense(layer.index)
     ring = cache.ring
@@ -82,6 +82,7 @@ def observe(cache: PagedKVCache, layer: LayerSpec, dense: dict | None = None) ->
         segment_of(cache.segment_starts, int(cache.seen.max())) if cache.segment_starts.shape[1] else None,
         dense["gradients"][layer.index] if "gradients" in dense else None,
         _held_rows(dense["hidden"][layer.index], positions) if "hidden" in dense else None,
+        dense["probe_norms"][layer.index] if "probe_norms" in dense else None,
     )
 
 
@@ -107,8 +108,9 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
     ``Restore`` (and ``dense``), the restore entries are appended first (``restoring``) and stay. Yields a dict:
     ``"hidden"`` [L, B, P, hidden] (``attention_inputs``), ``"restored"`` ([B] the position of each row's first restore
     entry, how many per head), and with ``Gradients`` (and ``dense``) ``"gradients"``, the gradient norms [L, B, W] of
-    the window's queries, from one dense backward pass of ``source`` over ``input_ids`` and the prompt. A dense pass
-    replays every token the cache read: checked."""
+    the window's queries, from one dense backward pass of ``source`` over ``input_ids`` and the prompt; with
+    ``ProbeInputNorms`` (and ``dense``) ``"probe_norms"``, the norms [L, B, W] of those queries' attention inputs, from
+    one dense forward pass over the same tokens. A dense pass replays every token the cache read: checked."""
     sources = scorer.sources() if scorer is not None and input_ids is not None else ()
     seen, supplied = cache.seen.clone(), {}
     if dense and reads_dense(sources) and not torch.equal(seen, real.sum(1).to(seen)):
@@ -126,10 +128,13 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
     ids, mask = scorer.reconstruction_prompt(input_ids, real)
     cache.ring.clear()
     prefill(ids, mask.to(cache.device))
-    if dense and any(s.gradients for s in sources):
-        supplied["gradients"] = _window_gradients(source, cache, torch.cat([input_ids, ids], 1),
-                                                  torch.cat([real.bool(), mask.to(real.device).bool()], 1),
-                                                  real.shape[1])
+    if dense and any(s.gradients or s.probe_norms for s in sources):
+        both = torch.cat([input_ids, ids], 1), torch.cat([real.bool(), mask.to(real.device).bool()], 1)
+        if any(s.gradients for s in sources):
+            supplied["gradients"] = _window_gradients(source, cache, *both, real.shape[1])
+        if any(s.probe_norms for s in sources):
+            by_position = attention_inputs(source, both[0].to(cache.device), both[1].to(cache.device))
+            supplied["probe_norms"] = _at_window(by_position.norm(dim=-1), cache.ring.positions)
     yield supplied
     cache.drop_from(seen)
 
@@ -143,6 +148,11 @@ def _window_gradients(source: nn.Module, cache: PagedKVCache, ids: Tensor, real:
     positions = (real.long().cumsum(1) - 1).clamp_min(0)
     table = norms.new_zeros(*norms.shape[:2], int(positions.max()) + 1)
     table.scatter_add_(2, positions.expand_as(norms), norms * real)
-    slots = cache.ring.positions  # [B, W]
-    read = table.gather(2, slots.clamp_min(0).clamp_max(table.shape[2] - 1).expand(norms.shape[0], -1, -1))
+    return _at_window(table, cache.ring.positions)
+
+
+def _at_window(table: Tensor, slots: Tensor) -> Tensor:
+    """[L, B, W]: ``table`` [L, B, P] (a value per position) at each window slot's query position ``slots`` [B, W],
+    0 where a slot holds no query."""
+    read = table.gather(2, slots.clamp(0, table.shape[2] - 1).expand(table.shape[0], -1, -1))
     return read.masked_fill(slots[None] < 0, 0.0)

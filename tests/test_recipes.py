@@ -94,8 +94,8 @@ def test_docstrings_comments_and_formatting_leave_the_fingerprint_alone(tmp_path
 @pytest.mark.parametrize(("helper", "recipes"), [
     ("kvcompile.methods.base.merge_rankings", {"h2o", "sparse-finetune-h2o", "criticalkv", "adakv-criticalkv"}),
     ("kvcompile.methods.base.pooled_rank", {"adakv-snapkv", "adakv-expected-attention", "adakv-criticalkv", "kvzip",
-                                          "kvgrad", "kvcompose", "kvzap", "kvzap-hidden", "fastkvzip", "dms",
-                                          "dms-decode", "abstain-kvzip", "restorekv"}),
+                                          "kvgrad", "kvzip-plus", "kvcompose", "kvzap", "kvzap-hidden", "fastkvzip",
+                                          "dms", "dms-decode", "abstain-kvzip", "restorekv"}),
 ])
 def test_a_shared_helper_is_in_the_code_of_every_recipe_that_uses_it(helper, recipes):
     users = {name for name, r in RECIPES.items() if helper in code_closure(*code_roots(r))}
@@ -116,7 +116,7 @@ def test_fingerprints_are_the_same_in_another_process_with_another_hash_seed():
 
 # ------------------------------------------------------------------------------------------ provenance
 def test_every_builtin_recipe_states_its_provenance():
-    assert len(RECIPES) == 74
+    assert len(RECIPES) == 76
     unstated = [name for name, r in RECIPES.items() if r.provenance == "custom"]
     assert not unstated, f"built-in recipes must state their evidence: {unstated}"
     assert {r.provenance for r in RECIPES.values()} <= set(PROVENANCE)

@@ -14,7 +14,6 @@ from .base import PROTOTYPES, Allocator, Observation, is_pinned, register_alloca
 from .kvzip import KVzip
 
 _TINY = 1e-30
-_NEVER = -torch.finfo(torch.float32).max  # a scorer's -inf (KVzip's reconstruction tokens), as the engine passes it
 
 
 @register_scorer("reconstruction-queries")
@@ -83,7 +82,7 @@ class AttentionMatching(Allocator):
         equations of the mass fit (step 4)."""
         B, Hkv, S, D = obs.keys.shape
         scores = F.pad(scores, (0, max(S - scores.shape[-1], 0)), value=float("-inf"))[..., :S]
-        candidate = obs.valid & (scores > _NEVER)
+        candidate = obs.valid  # the engine's candidates: no scorer's -inf (KVzip's reconstruction tokens) among them
         cap = per_head[:, None].expand(B, Hkv)
         fits = candidate.sum(-1) <= cap
         pinned = candidate & is_pinned(scores)

@@ -19,6 +19,7 @@ from .sources import (  # noqa: F401  (the sources a method declares, importable
     Gradients,
     HiddenStates,
     LayerWeights,
+    ProbeInputNorms,
     QueryWindow,
     Question,
     Reconstruction,
@@ -63,7 +64,9 @@ class Observation:
     the caller gave no segments: one segment); query_gradients: [B, W] per window slot, the norm of the gradient of
     the model's output with respect to that query's attention output (the ``Gradients`` source,
     ``kvcompile.gradients``; None unless declared); hidden: [B, Hkv, S, hidden] each held entry's attention input
-    (the ``HiddenStates`` source, ``kvcompile.attention_inputs``; None unless declared).
+    (the ``HiddenStates`` source, ``kvcompile.attention_inputs``; None unless declared); query_input_norms: [B, W] per
+    window slot, the norm of that query's attention input (``ProbeInputNorms``; None unless declared; 0 where there
+    was no query).
     """
 
     keys: Tensor
@@ -82,6 +85,12 @@ class Observation:
     segments: Tensor | None = None
     query_gradients: Tensor | None = None
     hidden: Tensor | None = None
+    query_input_norms: Tensor | None = None
+
+    def first_query(self) -> Tensor:
+        """[B] the position of each row's first observed query (2**62 for a row with none): the window's queries,
+        and the tokens a ``Reconstruction`` prompt appended, begin there."""
+        return self.query_positions.masked_fill(self.query_positions < 0, 2**62).amin(-1)
 
     def window_attention(self, queries: slice = slice(None), chunk: int = 0) -> Tensor:
         """Softmax attention of the observed queries over the held keys: [B, Hq, W, S] (0 where not visible); an

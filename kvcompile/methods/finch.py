@@ -71,7 +71,7 @@ class Finch(Scorer):
             total += torch.einsum("bhws,bw->bhs", obs.window_attention(queries), weight)
         n = (obs.query_positions >= 0).sum(-1).clamp_min(1)[:, None, None]
         scores = pool_groups(total / n, Hkv)
-        first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
+        first = obs.first_query()  # [B]
         question = obs.positions >= first[:, None, None]
         if self.chunk_length is not None:
             return chunk_shares(scores, question, obs.positions, obs.valid, self.chunk_length)

@@ -51,7 +51,7 @@ class KVCompose(KVzip):
             scores = scores * obs.values.float().norm(dim=-1)
         if self.add_mean_across_heads:
             scores = scores + mean_by_position(scores.masked_fill(~obs.valid, 0.0), obs)
-        first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
+        first = obs.first_query()  # [B]
         scores = scores.masked_fill(obs.positions >= first[:, None, None], float("-inf"))  # the second reading's own
         return protect(scores, obs.positions < self.n_sink)
 

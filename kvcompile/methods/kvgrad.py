@@ -5,11 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .base import Gradients, LayerWeights, Observation, QueryWindow, Reconstruction, register_scorer
 from .kvzip import KVzip
-from .sources import output_projection
+from .sources import output_norms
 
 
 @register_scorer("kvgrad")
@@ -39,12 +37,3 @@ class KVgrad(KVzip):
             raise ValueError("kvgrad reads the Gradients source, which this observation lacks")
         return super().score_per_query_head(obs)
 
-
-def output_norms(obs: Observation):
-    """[B, Hq, S] ||W_O^r v_c|| for every query head r and held value c: v' (W_O^r' W_O^r) v per head, so no
-    [S, hidden] product is built."""
-    per_head = output_projection(obs)  # [hidden, Hq, D]
-    Hq, Hkv = per_head.shape[1], obs.values.shape[1]
-    gram = torch.einsum("ehd,ehf->hdf", per_head, per_head)  # [Hq, D, D]
-    values = obs.values.float().repeat_interleave(Hq // Hkv, 1)  # [B, Hq, S, D]
-    return torch.einsum("bhsd,hdf,bhsf->bhs", values, gram, values).clamp_min(0).sqrt()

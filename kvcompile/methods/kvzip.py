@@ -88,7 +88,7 @@ class KVzip(Scorer):
         """``scores`` [B, H, S] (H = Hkv or Hq) with the reconstruction's own tokens at -inf (never kept) and the
         first ``n_sink`` tokens pinned."""
         G = scores.shape[1] // obs.keys.shape[1]
-        first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
+        first = obs.first_query()  # [B]
         appended = (obs.positions >= first[:, None, None]).repeat_interleave(G, 1)
         scores = scores.masked_fill(appended, float("-inf"))
         return protect(scores, (obs.positions < self.n_sink).repeat_interleave(G, 1))

@@ -39,7 +39,7 @@ class SnapKV(Scorer):
         attn = obs.window_attention().mean(2)  # [B, Hq, S]
         grouped = attn.reshape(B, Hkv, -1, S)
         pooled = grouped.mean(2) if self.pool == "mean" else grouped.amax(2)
-        first_observed = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)  # [B]
+        first_observed = obs.first_query()  # [B]
         observed = obs.positions >= first_observed[:, None, None]
         if self.smoothing == "avg":
             smooth = F.avg_pool1d(pooled.masked_fill(observed, 0.0), self.kernel, stride=1, padding=self.kernel // 2)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Source:
@@ -23,6 +25,7 @@ class Source:
     dense = False  # one dense pass of the source model over every token read (the context read in one prefill)
     hidden = False  # that pass yields each layer's attention input
     gradients = False  # a dense backward pass yields the gradients at the reconstruction prompt's queries
+    probe_norms = False  # a dense pass over the context and the reconstruction prompt yields its queries' input norms
     restore_tokens = 0  # entries per (layer, KV head) written before compressing
     layer_weight = None  # the name of a weight of every layer that the captured graph must yield
 
@@ -86,6 +89,16 @@ def output_projection(obs):
     return w_o.view(w_o.shape[0], -1, obs.keys.shape[-1])
 
 
+def output_norms(obs):
+    """[B, Hq, S] ||W_O^r v_c|| for every query head r and held value c: how much value c can move the residual
+    stream through head r. Computed as v' (W_O^r' W_O^r) v per head, so no [S, hidden] product is built."""
+    per_head = output_projection(obs)  # [hidden, Hq, D]
+    Hq, Hkv = per_head.shape[1], obs.values.shape[1]
+    gram = torch.einsum("ehd,ehf->hdf", per_head, per_head)  # [Hq, D, D]
+    values = obs.values.float().repeat_interleave(Hq // Hkv, 1)  # [B, Hq, S, D]
+    return torch.einsum("bhsd,hdf,bhsf->bhs", values, gram, values).clamp_min(0).sqrt()
+
+
 @dataclass(frozen=True)
 class HiddenStates(Source):
     """Each layer's attention input (the normed hidden state its key and value projections read) for every held
@@ -124,3 +137,12 @@ class Gradients(Source):
     dense backward pass of the source model (``kvcompile.gradients``)."""
 
     dense = gradients = True
+
+
+@dataclass(frozen=True)
+class ProbeInputNorms(Source):
+    """For each observed query of a ``Reconstruction`` prompt, the norm of its attention input (the normed hidden
+    state its query projection reads: ``Observation.query_input_norms``), from one dense forward pass of the source
+    model over the context and the prompt (``kvcompile.attention_inputs``)."""
+
+    dense = probe_norms = True

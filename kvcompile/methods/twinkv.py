@@ -56,7 +56,7 @@ class TwinKV(Scorer):
     def score(self, obs: Observation):
         energy = obs.values.float().pow(2).sum(-1) / (1 + self.lam * self.twins(obs))
         energy = energy * obs.valid
-        first = obs.query_positions.masked_fill(obs.query_positions < 0, 2**62).amin(-1)[:, None, None]  # [B,1,1]
+        first = obs.first_query()[:, None, None]  # [B,1,1]
         prefix = (obs.positions < first) & obs.valid
         attn = obs.window_attention()  # [B, Hq, W, S]
         B, Hq, W, S = attn.shape

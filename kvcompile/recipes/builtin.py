@@ -22,6 +22,10 @@ _BUILTIN = [
     Recipe("snapkv", "snapkv", version=2,
            scorer_args={"window": 32, "kernel": 7}, source="https://arxiv.org/abs/2404.14469",
            provenance="peer", inferred=_SNAPKV_WINDOW),
+    Recipe("dapq", "dapq", scorer_args={"window": 32, "kernel": 7}, source="https://arxiv.org/abs/2603.11564",
+           provenance="abstract",
+           inferred="the pseudo tokens are the context's last 32 tokens again, at the next 32 positions; SnapKV's "
+                    "aggregation and budgets over their queries"),
     Recipe(
         "pyramidkv", "snapkv", "pyramid", {"window": 32, "kernel": 7}, {"beta": 20.0, "window": 32},
         version=2, source="https://arxiv.org/abs/2406.02069", provenance="peer",
@@ -83,6 +87,14 @@ _BUILTIN = [
         source="https://openreview.net/forum?id=cg1wTCJjjk (kvpress KVgradPress)", provenance="peer",
         inferred="KVzip's one reconstruction chunk with no instruction (kvpress: 512-token chunks after 'Repeat the "
                  "previous context' prompts); the backward through the source model; whole pages compete",
+    ),
+    Recipe(
+        "kvzip-plus", "kvzip-plus", "global-topk", {"n_sink": 4, "window": 8192}, {"whole_pages": True},
+        source="https://arxiv.org/abs/2601.07891 (KVzip+: kvpress kvzip_plus_normalization)",
+        provenance="peer",
+        inferred="KVzip's one reconstruction chunk with no instruction (kvpress: chunks after 'Repeat the previous "
+                 "context' prompts); the probes' input norms from a dense pass of the source model; whole pages "
+                 "compete",
     ),
     *LEARNED,  # kvzap, dms: weights trained here (recipes.learned)
     Recipe(
@@ -179,7 +191,7 @@ _BUILTIN = [
                     "uncompressed model (the paper builds them layer by layer on the compacted cache); keys the "
                     "highest-RMS-attention subset; non-negative least squares by 300 accelerated projected-gradient "
                     "steps; values by least squares with a 1e-4 relative ridge; every head the same number of "
-                    "entries; KVzip's 4 sinks kept as they are"),
+                    "entries; KVzip's 4 sinks kept as they are", version=2),
     Recipe("gracekv", "snapkv", "gracekv", {"window": 32, "kernel": 7}, {"slot": 64, "beta": 0.1},
            source="https://arxiv.org/abs/2608.07001", provenance="abstract",
            inferred="the method from a full-text summary (no code): fixed slots of 64 tokens instead of the "
