@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--recipes", default=",".join(RECIPES))
-    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="'' to skip the retrieval tasks")
     parser.add_argument("--tasks", default="niah_single_1,passkey")
     parser.add_argument("--hard-tasks", default="niah_multikey_1,niah_multivalue")
     parser.add_argument("--hard-budgets", default="0.1", help="'' to skip the harder tasks")
@@ -168,7 +168,7 @@ def main() -> None:
     model, tokenizer = kvcompile.load_model(args.model)
     cm = kvcompile.apply(model, budget=1.0, recipe="full")
     recipes = [r for r in args.recipes.split(",") if r]
-    groups = [("retrieval", args.tasks.split(","), [float(b) for b in args.budgets.split(",")])]
+    groups = [("retrieval", args.tasks.split(","), [float(b) for b in args.budgets.split(",")])] if args.budgets else []
     if args.hard_budgets:
         groups.append(("harder", args.hard_tasks.split(","), [float(b) for b in args.hard_budgets.split(",")]))
     grids, text = [], [f"# The accuracy-bytes frontier ({args.model}, {args.length} tokens, {args.samples} samples "
