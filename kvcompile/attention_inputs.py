@@ -14,15 +14,17 @@ from torch import Tensor, nn
 
 
 @torch.no_grad()
-def attention_inputs(model: nn.Module, input_ids: Tensor, real: Tensor) -> Tensor:
+def attention_inputs(model: nn.Module, input_ids: Tensor, real: Tensor, norms: bool = False) -> Tensor:
     """[L, B, P, hidden]: layer l's attention input at position p of row b (the p-th real token of ``input_ids``
     [B, T], ``real`` its non-pad mask), 0 beyond a row's length. A transformers causal LM (``get_decoder().layers``,
-    each with ``self_attn`` called with ``hidden_states``)."""
+    each with ``self_attn`` called with ``hidden_states``). ``norms``: each input's norm alone ([L, B, P, 1]), taken
+    as the pass runs, so no [L, B, T, hidden] copy is held."""
     layers = model.get_decoder().layers
     seen: list[Tensor] = []
 
     def keep(module, args, kwargs):
-        seen.append((args[0] if args else kwargs["hidden_states"]).float())
+        h = (args[0] if args else kwargs["hidden_states"]).float()
+        seen.append(h.norm(dim=-1, keepdim=True) if norms else h)
 
     hooks = [layer.self_attn.register_forward_pre_hook(keep, with_kwargs=True) for layer in layers]
     try:

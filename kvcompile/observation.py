@@ -133,8 +133,8 @@ def reconstructing(scorer, prefill, cache: PagedKVCache, input_ids: Tensor | Non
         if any(s.gradients for s in sources):
             supplied["gradients"] = _window_gradients(source, cache, *both, real.shape[1])
         if any(s.probe_norms for s in sources):
-            by_position = attention_inputs(source, both[0].to(cache.device), both[1].to(cache.device))
-            supplied["probe_norms"] = _at_window(by_position.norm(dim=-1), cache.ring.positions)
+            by_position = attention_inputs(source, both[0].to(cache.device), both[1].to(cache.device), norms=True)
+            supplied["probe_norms"] = _at_window(by_position[..., 0], cache.ring.positions)
     yield supplied
     cache.drop_from(seen)
 
