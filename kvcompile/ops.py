@@ -132,7 +132,10 @@ def _attend(
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         else:
-            out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
+            out = _after_held(q, k, v, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], page_lw,
+                              stored, scale, window)
+            if out is None:
+                out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
         return out.contiguous()
     if backend == "flex":
         return _flex_decode(args, page_lw)
@@ -160,6 +163,23 @@ def _first_chunk(q_pos, lengths, stored, window) -> bool:
     T = q_pos.shape[1]
     return (window == 0 and not stored.holds_entries() and bool((lengths == T).all())
             and bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all()))
+
+
+def _after_held(q, k, v, q_pos, k_pages, v_pages, page_pos, page_table, lengths, page_lw, stored, scale, window):
+    """``reference.after_held`` where it applies: on the CPU, every row's T new tokens real and at consecutive
+    positions (so each head holds them as its last T entries), no window, no weighted entry and no entry in a format
+    pool; None elsewhere."""
+    T = q_pos.shape[1]
+    if (q.device.type != "cpu" or window > 0 or page_lw.shape[0] > 0 or stored.holds_entries()
+            or not bool((lengths >= T).all())
+            or not bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all())
+            or not bool((q_pos[:, 0] >= 0).all())):
+        return None
+    before = lengths - T
+    pages = -(-int(before.max()) // k_pages.shape[1])  # as far as the longest head held
+    held = reference.gather_dense(k_pages, v_pages, page_pos, page_table[..., :pages], before)
+    k, v = (x.to(k_pages.dtype) for x in (k, v))  # attend over what was stored: the pool's dtype
+    return reference.after_held(q, q_pos, k, v, held, scale)
 
 
 @torch.library.custom_op("kvcompile::format_attention", mutates_args=())

@@ -5,7 +5,7 @@ Each case applies its recipe through the public API, reads a left-padded two-row
 question and generates a few tokens, then records per (layer, row, KV head) the positions the cache holds, its
 ``bytes_held`` (total and per row), ``budget_bytes``, the generated tokens and the logits of one more decode step.
 A case that is refused records the refusal's message. ``tests/test_golden.py`` replays every case and compares
-(bitwise where the code path has not changed its reduction order; ``TOLERANCE`` names any case that may differ).
+(logits within ``ROUNDING`` of fp32 summation order, or the wider ``TOLERANCE`` a case names with its reason).
 
 Record anew only for a change meant to change behaviour, never for a refactor:
 ``python tests/golden.py --record tests/golden/behaviour.json.gz``. Recorded and replayed with the native CPU
@@ -55,6 +55,11 @@ NATIVE = {"KVCOMPILE_DECODE_BACKEND": "native"}  # the environment of every case
 # attention (the question, the decode steps of a sliding layer), which became one fused flash-attention call on the
 # CPU (issue 53): the same kept positions, bytes and tokens, logits within fp32 rounding of another summation order
 # (largest difference seen 3.2e-5, on Qwen3's one KV head; 1.2e-6 on the others).
+# Every other case reads its question over held entries as two flash-attention calls merged by log-sum-exp (the
+# held part without a mask, the question's own keys causal: ``kernels.reference.after_held``, issue 53), where one
+# masked call read it before: the same kept positions, bytes and tokens, logits within ``ROUNDING`` (largest
+# difference seen 1.2e-7).
+ROUNDING = 1e-6
 TOLERANCE: dict[str, float] = dict.fromkeys((
     "anchorkv@0.5", "full+anchor2", "full+bf16", "full+fp16", "full+fp8", "full+int2", "full+int8", "full+kivi4",
     "full+tq3", "gemma3:full+int8", "gemma3:snapkv+int4", "kivi2@1.0", "kivi4@1.0", "minima-kv@1.0",

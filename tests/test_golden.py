@@ -7,7 +7,7 @@ import gzip
 import json
 
 import pytest
-from golden import GOLDEN, NATIVE, TOLERANCE, cases, run_case
+from golden import GOLDEN, NATIVE, ROUNDING, TOLERANCE, cases, run_case
 
 with gzip.open(GOLDEN, "rt") as f:
     RECORDED = json.load(f)["cases"]
@@ -43,7 +43,7 @@ def test_behaviour_is_unchanged(case, models):
         return
     for key in ("held", "bytes_held", "bytes_held_rows", "budget_bytes", "tokens"):
         assert got[key] == want[key], f"{case}: {key} changed"
-    tol = TOLERANCE.get(case, 0.0)
+    tol = TOLERANCE.get(case, ROUNDING)
     for row_got, row_want in zip(got["logits"], want["logits"]):
         for a, b in zip(row_got, row_want):
             assert abs(float.fromhex(a) - float.fromhex(b)) <= tol, f"{case}: logits differ ({a} vs {b}, tol {tol})"

@@ -161,6 +161,34 @@ def test_packed_decode_matches_gathering_decode():
     torch.testing.assert_close(torch.ops.kvcompile.decode_attention_packed(*args), gathered)
 
 
+@pytest.mark.parametrize("held, start", [([5, 1, 9], 9), ([8, 8], 8), ([0, 6], 6), ([5, 7], 4)],
+                         ids=["ragged", "equal", "empty-head", "overlapping"])
+def test_prefill_after_held_entries_matches_dense_causal_attention(held, start):
+    """T new tokens after what each head holds (a later prefill chunk, a question after compression): the prefill
+    op answers plain causal attention over each head's held entries and the new ones, both where its split path
+    applies (new tokens after every held one) and where it does not ("overlapping": a held position after the first
+    new one, served by the general path)."""
+    T, Hkv, P, D = 6, len(held), 4, 8
+    cache, k, v = filled_cache([n + T for n in held], P=P, D=D, Hq=2 * Hkv)  # room for T more per head
+    g = torch.Generator().manual_seed(fresh_seed())
+    q, kn, vn = torch.randn(1, 2 * Hkv, T, D, generator=g), *torch.randn(2, 1, Hkv, T, D, generator=g)
+    before = torch.tensor([[held]], dtype=torch.int32)
+    slots = reference.rows_of(cache.page_table[0], before[0, ..., None].long() + torch.arange(T), P)[None]
+    qp = torch.arange(start, start + T)[None]
+    empty = PagedKVCache(1, Hkv, 2 * Hkv, D, page_size=P)
+    empty.setup(1)
+    fmt = [getattr(empty, name) for name in FORMAT_TENSORS]
+    out = torch.ops.kvcompile.prefill_attention(
+        q, kn, vn, qp, slots, torch.zeros(1, T, dtype=torch.long), cache.k_pages, cache.v_pages, cache.page_pos,
+        cache.page_lw, cache.page_table, before + T, torch.zeros(1, 1, 2 * Hkv, 0, D), fmt, 0, 0.3, 0)
+    for h, n in enumerate(held):
+        keys, values = torch.cat([k[0, h, :n], kn[0, h]]), torch.cat([v[0, h, :n], vn[0, h]])
+        visible = torch.cat([torch.arange(n), qp[0]])[None] <= qp[0, :, None]
+        for r in (2 * h, 2 * h + 1):
+            logits = (q[0, r] @ keys.T * 0.3).masked_fill(~visible, float("-inf"))
+            torch.testing.assert_close(out[0, r], torch.softmax(logits, -1) @ values, atol=1e-5, rtol=1e-5)
+
+
 def test_packed_follows_every_page_table_change():
     cache = PagedKVCache(1, 2, 4, 8, page_size=4)
     cache.setup(1)

@@ -108,16 +108,18 @@ def paged_attention(
         out = decode_rows(q.view(B, Hkv, G, D), keys, values, visible, scale, weights)
         return out.reshape(B, Hq, 1, D)  # reshape: CUDA's SDPA may return it strided
     step = max(1, block_bytes // max(1, B * Hq * S))  # queries per block: bounds the [B, Hq, Tb, S] mask
+    # heads that hold the same positions share one mask (built once, broadcast); otherwise one per query head
+    held = k_pos.masked_fill(~valid, -1)
+    shared = not weighted and bool((held == held[:, :1]).all())
+    heads = slice(0, 1) if shared else slice(None)
     out = []
     for t0 in range(0, T, step):
         dq = q_pos[:, t0 : t0 + step].long()[:, None, :, None]  # [B, 1, Tb, 1]
-        dk = k_pos[:, :, None, :]  # [B, Hkv, 1, S]
-        visible = valid[:, :, None, :] & (dk <= dq)
+        dk = k_pos[:, heads, None, :]  # [B, Hkv or 1, 1, S]
+        visible = valid[:, heads, None, :] & (dk <= dq)
         if window > 0:
             visible = visible & (dq - dk < window)
-        # heads that hold the same tokens share one mask (broadcast); otherwise one mask per query head
-        shared = not weighted and bool((visible == visible[:, :1]).all())
-        visible = visible[:, :1] if shared else visible.repeat_interleave(G, 1)
+        visible = visible if shared else visible.repeat_interleave(G, 1)
         mask, qb = visible, q[:, :, t0 : t0 + step]
         if weighted:  # a float mask, in fp32 as in decode: each entry's log-weight added to its logit
             mask, qb = torch.where(visible, weights.repeat_interleave(G, 1)[:, :, None, :], float("-inf")), qb.float()
@@ -126,6 +128,37 @@ def paged_attention(
         )
         out.append((o.nan_to_num(0.0) * visible.any(-1, keepdim=True)).to(q.dtype))
     return torch.cat(out, 2)
+
+
+def after_held(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, held, scale: float) -> Tensor | None:
+    """Attention of T new queries q [B, Hq, T, D] at positions q_pos [B, T] over the entries the heads held before
+    them (``held``: ``gather_dense``'s views of those alone) and over their own keys and values k, v [B, Hkv, T, D],
+    on the CPU, for new tokens at consecutive positions after every held entry (a later prefill chunk, a question read
+    after compression, a reconstruction prompt): every query then sees every held entry, so that part takes no causal
+    mask, and the new keys a plain causal one. Two flash-attention calls merged by log-sum-exp, where one masked call
+    would score the whole upper triangle it then discards. None, with nothing computed, where a held entry does not
+    stand before the row's first new token (the general path serves)."""
+    keys, values, positions, valid = held
+    B, Hq, T, D = q.shape
+    Hkv, S = keys.shape[1], keys.shape[2]
+    G = Hq // Hkv
+    if S and bool((positions.masked_fill(~valid, -1).amax((1, 2)) >= q_pos[:, 0]).any()):
+        return None
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    new_k, new_v = (x.to(q.dtype).repeat_interleave(G, 1).contiguous() for x in (k, v))
+    out, lse = flash(q.contiguous(), new_k, new_v, is_causal=True, scale=scale)
+    if S == 0:
+        return out
+    mask = None if bool(valid.all()) else torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~valid, float("-inf"))[:, :, None]  # [B, Hkv, 1, S]: one row for every query of the head
+    rows = q.reshape(B, Hkv, G * T, D).contiguous()  # each KV head's G query heads read as G x T rows
+    old, old_lse = flash(rows, keys.to(q.dtype).contiguous(), values.to(q.dtype).contiguous(), attn_mask=mask,
+                         scale=scale)
+    blind = ~valid.any(-1)[:, :, None]  # a head that held nothing: the op leaves lse 0, the output undefined
+    old_lse = old_lse.view(B, Hkv, G * T).masked_fill(blind, float("-inf")).view(B, Hq, T)
+    old = old.view(B, Hkv, G * T, D).masked_fill(blind[..., None], 0.0).view(B, Hq, T, D)
+    merged, _ = _merge(old.float(), old_lse, out.float(), lse)
+    return merged.to(q.dtype)
 
 
 def decode_rows(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float,

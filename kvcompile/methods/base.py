@@ -170,8 +170,8 @@ class Observation:
         q = self.queries[:, :, queries]
         G, w, s = q.shape[1] // Hkv, q.shape[2], keys.stop - keys.start
         out = None if buffer is None else buffer[: B * Hkv * G * w * s].view(B, Hkv, G * w, s)
-        q = q.reshape(B, Hkv, G * w, D).float()
-        logits = torch.matmul(q, self.keys[:, :, keys].float().transpose(-1, -2), out=out).mul_(self.scale)
+        q = q.reshape(B, Hkv, G * w, D).float() * self.scale  # scaled before the product: w x D, not w x s
+        logits = torch.matmul(q, self.keys[:, :, keys].float().transpose(-1, -2), out=out)
         logits = logits.view(B, Hkv, G, w, s)
         if self.log_weights is not None:
             logits += self.log_weights[:, :, None, None, keys]
