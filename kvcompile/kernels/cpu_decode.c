@@ -21,7 +21,7 @@
    the reference it is tested against. */
 
 #include "cpu_lanes.h"
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -31,14 +31,14 @@ typedef _Float16 half;
 #define FP8 0
 #define FP32 32
 
-/* q . x over n channels (a multiple of 16), two chains of 16 partial sums. */
+/* q . x over n channels (a multiple of 16), two chains of a register's width of partial sums. */
 INLINE float dot(const float *restrict q, const float *restrict x, int n) {
-    lanes a = {0}, b = {0};
-    for (int d = 0; d < n; d += 32) {
-        a += load(q + d) * load(x + d);
-        if (d + 16 < n) b += load(q + d + 16) * load(x + d + 16);
+    reg a = {0}, b = {0};
+    for (int d = 0; d < n; d += 2 * REG) {
+        a += load_reg(q + d) * load_reg(x + d);
+        if (d + REG < n) b += load_reg(q + d + REG) * load_reg(x + d + REG);
     }
-    return sum_lanes(a + b);
+    return sum_reg(a + b);
 }
 
 INLINE void unpack_plane(const uint8_t *restrict c, int width, int bits, float *restrict x) {
@@ -50,6 +50,17 @@ INLINE void unpack_plane(const uint8_t *restrict c, int width, int bits, float *
             for (int i = 0; i < planes; ++i) {
                 const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(v, i * bits), _mm512_set1_epi32(mask));
                 _mm512_storeu_ps(x + i * width + j, _mm512_cvtepi32_ps(codes));
+            }
+        }
+        return;
+    }
+#elif defined(__AVX2__)
+    if (planes > 1 && width % 8 == 0) { /* 8 bytes widened once, every plane shifted out of them */
+        for (int j = 0; j < width; j += 8) {
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + j)));
+            for (int i = 0; i < planes; ++i) {
+                const __m256i codes = _mm256_and_si256(_mm256_srli_epi32(v, i * bits), _mm256_set1_epi32(mask));
+                _mm256_storeu_ps(x + i * width + j, _mm256_cvtepi32_ps(codes));
             }
         }
         return;
@@ -70,13 +81,13 @@ INLINE void unpack_plane(const uint8_t *restrict c, int width, int bits, float *
         return;
     }
 #endif
-    for (int i = 0; i < planes; ++i) /* 8 bits (the form the compiler vectorizes best), and 4 bits without AVX-512 */
+    for (int i = 0; i < planes; ++i) /* 8 bits (the form the compiler vectorizes best), and 4 bits without AVX2 */
         for (int j = 0; j < width; ++j) x[i * width + j] = (float)((c[j] >> (i * bits)) & mask);
 }
 
 /* float8 e4m3fn codes -> their values / 256: a code's bits shifted into a binary16 are that number exactly (the
-   subnormals included), widened 16 at a time by the hardware (AVX-512), else through a table of all 256 built at
-   load. The encoder never writes NaN (it clamps). D: a multiple of 16. */
+   subnormals included), widened by the hardware 16 at a time (AVX-512) or 8 (AVX2 and F16C), else through a table
+   of all 256 built at load. The encoder never writes NaN (it clamps). D: a multiple of 16. */
 #ifdef __AVX512F__
 INLINE void e4m3_row(const uint8_t *restrict c, int D, float *restrict x) {
     for (int d = 0; d < D; d += 16) {
@@ -84,6 +95,15 @@ INLINE void e4m3_row(const uint8_t *restrict c, int D, float *restrict x) {
         const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
                                           _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
         _mm512_storeu_ps(x + d, _mm512_cvtph_ps(h));
+    }
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+INLINE void e4m3_row(const uint8_t *restrict c, int D, float *restrict x) {
+    for (int d = 0; d < D; d += 8) {
+        const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(c + d)));
+        const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                       _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+        _mm256_storeu_ps(x + d, _mm256_cvtph_ps(h));
     }
 }
 #else
@@ -294,15 +314,15 @@ INLINE float score(const int kind, const float *restrict qg, const float *restri
     if (kind < 0) return dot(qs, x, D) + qm;
     const half *m = (const half *)meta + row * 2 * groups;
     const int n = D / groups;
-    lanes sum = {0}; /* each group's products scaled as vectors: one sum across lanes a row */
+    reg sum = {0}; /* each group's products scaled as vectors: one sum across lanes a row */
     float acc = 0.0f;
     for (int k = 0; k < groups; ++k) {
-        lanes v = {0};
-        for (int d = k * n; d < (k + 1) * n; d += 16) v += load(qg + d) * load(x + d);
+        reg v = {0};
+        for (int d = k * n; d < (k + 1) * n; d += REG) v += load_reg(qg + d) * load_reg(x + d);
         sum += (float)m[2 * k] * v;
         acc += (float)m[2 * k + 1] * sg[k];
     }
-    return acc + sum_lanes(sum);
+    return acc + sum_reg(sum);
 }
 
 INLINE void attend_body(const float *restrict q, const float *restrict qsum, const uint8_t *restrict kc,
@@ -412,10 +432,10 @@ INLINE void attend_body(const float *restrict q, const float *restrict qsum, con
                         }
                     }
                     for (int g = 0; g < G; ++g)
-                        for (int d = 0; d < D; d += 16) {
+                        for (int d = 0; d < D; d += REG) {
                             const float *wg = we + (g * vgroups + d / n) * 16;
-                            lanes acc = load(o + g * D + d);
-                            for (int i = 0; i < nr; ++i) acc += wg[i] * load(xs[i] + d);
+                            reg acc = load_reg(o + g * D + d);
+                            for (int i = 0; i < nr; ++i) acc += wg[i] * load_reg(xs[i] + d);
                             memcpy(o + g * D + d, &acc, sizeof acc);
                         }
                 }
