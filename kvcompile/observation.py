@@ -83,6 +83,7 @@ def observe(cache: PagedKVCache, layer: LayerSpec, dense: dict | None = None) ->
         dense["gradients"][layer.index] if "gradients" in dense else None,
         _held_rows(dense["hidden"][layer.index], positions) if "hidden" in dense else None,
         dense["probe_norms"][layer.index] if "probe_norms" in dense else None,
+        ring.lse[layer.index],
     )
 
 

@@ -14,12 +14,13 @@ Shapes: q [B, Hq, T, D]; k, v [B, Hkv, T, D]; q_pos [B, T] original positions, -
 slots [L, B, Hkv, T] pool rows for the new tokens and ring_slots [B, T] ring slots (``PagedKVCache.append``);
 page_lw the entries' log-weights, read only ([0, P] for a cache without weighted entries; a new token's row is
 already 0: ``cache.weights``);
-obs_q the ring's queries [L, B, Hq, C, D]; fmt the format pool, read only, as one list of tensors named and ordered by
-``signature.FORMAT_POOL`` (``cache.formatted``; its format is read from its tensors, so one program serves every
-format). Cache tensors as in ``kvcompile.cache``. Every op has a pure-PyTorch
-implementation (CPU, and the oracle in tests); on CUDA the decode attention and the compaction run the Triton
-kernels of ``kvcompile.kernels``; on the CPU a traced decode step reaches the native kernels
-(``kernels.cpu_native``) through the opaque ops ``native_decode``, ``format_attention`` and ``native_linear``.
+obs_q the ring's queries [L, B, Hq, C, D] and obs_lse the log-sum-exp of the attention that read each [L, B, Hq, C]
+(written where the op computes it: new tokens after every held entry on the CPU; ``cache.QueryRing``); fmt the
+format pool, read only, as one list of tensors named and ordered by ``signature.FORMAT_POOL`` (``cache.formatted``;
+its format is read from its tensors, so one program serves every format). Cache tensors as in ``kvcompile.cache``.
+Every op has a pure-PyTorch implementation (CPU, and the oracle in tests); on CUDA the decode attention and the
+compaction run the Triton kernels of ``kvcompile.kernels``; on the CPU a traced decode step reaches the native
+kernels (``kernels.cpu_native``) through the opaque ops ``native_decode``, ``format_attention`` and ``native_linear``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from .kernels import cpu_native, reference
 
-_MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q")
+_MUTATED = ("k_pages", "v_pages", "page_pos", "obs_q", "obs_lse")
 EAGER_BODIES: dict = {}  # an attention op's overload -> the Python function it runs: what eager programs call
 # (``passes.CallBodiesDirectly``)
 DECODE_BACKENDS = ("auto", "reference", "flex", "native")
@@ -109,14 +110,25 @@ def _observe(obs_q: Tensor, layer: int, q: Tensor, ring_slots: Tensor, decode: b
     obs_q.index_put_(at, q[row, :, t].to(obs_q.dtype))
 
 
+def _observe_lse(obs_lse: Tensor, layer: int, lse: Tensor, ring_slots: Tensor) -> None:
+    """Write the log-sum-exp [B, Hq, T] of a prefill's queries into the ring slots they were written to."""
+    L, B, Hq, C = obs_lse.shape
+    if C == 0:
+        return
+    row, t = (ring_slots < C).nonzero(as_tuple=True)
+    b, h = row[:, None].expand(-1, Hq), torch.arange(Hq, device=lse.device).expand(row.numel(), Hq)
+    at = (torch.full_like(b, layer), b, h, ring_slots[row, t][:, None].expand(-1, Hq))
+    obs_lse.index_put_(at, lse[row, :, t].float())
+
+
 def _on_gpu(t: Tensor) -> bool:
     """Triton kernels run on CUDA tensors; everything else takes the PyTorch reference."""
     return t.is_cuda and importlib.util.find_spec("triton") is not None
 
 
 def _attend(
-    q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt, layer,
-    scale, window, packed, decode,
+    q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, obs_lse, fmt,
+    layer, scale, window, packed, decode,
 ):
     stored = reference.FormatPages.of_layer(fmt, layer)
     backend = decode_backend() if decode else "auto"
@@ -132,10 +144,13 @@ def _attend(
             out = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
         else:
-            out = _after_held(q, k, v, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer], page_lw,
-                              stored, scale, window)
-            if out is None:
+            merged = _after_held(q, k, v, q_pos, k_pages, v_pages, page_pos, page_table[layer], lengths[layer],
+                                 page_lw, stored, scale, window)
+            if merged is None:
                 out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
+            else:
+                out, lse = merged
+                _observe_lse(obs_lse, layer, lse, ring_slots)
         return out.contiguous()
     if backend == "flex":
         return _flex_decode(args, page_lw)
@@ -166,9 +181,9 @@ def _first_chunk(q_pos, lengths, stored, window) -> bool:
 
 
 def _after_held(q, k, v, q_pos, k_pages, v_pages, page_pos, page_table, lengths, page_lw, stored, scale, window):
-    """``reference.after_held`` where it applies: on the CPU, every row's T new tokens real and at consecutive
-    positions (so each head holds them as its last T entries), no window, no weighted entry and no entry in a format
-    pool; None elsewhere."""
+    """``reference.after_held`` (the output and its log-sum-exp) where it applies: on the CPU, every row's T new
+    tokens real and at consecutive positions (so each head holds them as its last T entries), no window, no weighted
+    entry and no entry in a format pool; None elsewhere."""
     T = q_pos.shape[1]
     if (q.device.type != "cpu" or window > 0 or page_lw.shape[0] > 0 or stored.holds_entries()
             or not bool((lengths >= T).all())
@@ -257,11 +272,11 @@ def _attention_op(name: str, doc: str, decode: bool, packed: bool = False):
     def body(
         q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, slots: Tensor, ring_slots: Tensor,
         k_pages: Tensor, v_pages: Tensor, page_pos: Tensor, page_lw: Tensor, page_table: Tensor, lengths: Tensor,
-        obs_q: Tensor, fmt: list[Tensor], layer: int, scale: float, window: int,
+        obs_q: Tensor, obs_lse: Tensor, fmt: list[Tensor], layer: int, scale: float, window: int,
     ) -> Tensor:
         return _attend(
-            q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, fmt,
-            layer, scale, window, packed, decode,
+            q, k, v, q_pos, slots, ring_slots, k_pages, v_pages, page_pos, page_lw, page_table, lengths, obs_q, obs_lse,
+            fmt, layer, scale, window, packed, decode,
         )
 
     with _quiet_without_triton():

@@ -50,6 +50,7 @@ INPUTS = (
     Input("page_table", ((1, "batch"), (3, "width")), "cache"),
     Input("lengths", ((1, "batch"),), "cache"),
     Input("obs_q", ((1, "batch"), (3, "ring")), "cache"),
+    Input("obs_lse", ((1, "batch"), (3, "ring")), "cache"),
     *FORMAT_POOL,
 )
 ADDED = tuple(i.name for i in INPUTS[2:])  # what the passes add after (input_ids, position_ids)

@@ -146,7 +146,7 @@ def _attention_args(T, packed=False):
     empty.setup(1)
     fmt = tuple(getattr(empty, name) for name in FORMAT_TENSORS)  # no format pool: attention skips it
     return (q, kn, vn, qp, slots, ring_slots, cache.k_pages, cache.v_pages, cache.page_pos, cache.page_lw,
-            cache.page_table, cache.lengths, torch.zeros(1, 1, 4, 2, 8), list(fmt), 0, 0.35, 0)
+            cache.page_table, cache.lengths, torch.zeros(1, 1, 4, 2, 8), torch.zeros(1, 1, 4, 2), list(fmt), 0, 0.35, 0)
 
 
 @pytest.mark.parametrize("op, T", [("prefill_attention", 3), ("decode_attention", 1), ("decode_attention_packed", 1)])
@@ -180,7 +180,8 @@ def test_prefill_after_held_entries_matches_dense_causal_attention(held, start):
     fmt = [getattr(empty, name) for name in FORMAT_TENSORS]
     out = torch.ops.kvcompile.prefill_attention(
         q, kn, vn, qp, slots, torch.zeros(1, T, dtype=torch.long), cache.k_pages, cache.v_pages, cache.page_pos,
-        cache.page_lw, cache.page_table, before + T, torch.zeros(1, 1, 2 * Hkv, 0, D), fmt, 0, 0.3, 0)
+        cache.page_lw, cache.page_table, before + T, torch.zeros(1, 1, 2 * Hkv, 0, D), torch.zeros(1, 1, 2 * Hkv, 0),
+        fmt, 0, 0.3, 0)
     for h, n in enumerate(held):
         keys, values = torch.cat([k[0, h, :n], kn[0, h]]), torch.cat([v[0, h, :n], vn[0, h]])
         visible = torch.cat([torch.arange(n), qp[0]])[None] <= qp[0, :, None]

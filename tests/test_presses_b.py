@@ -233,7 +233,8 @@ def test_finch_end_to_end_ranks_by_the_question_it_was_given(llama_cm):
     assert stats["query_aware"] is True and stats["budget_bytes"] == budget * cm.cache.token_bytes
     assert stats["bytes_held"] <= stats["budget_bytes"]
     spec = cm.spec
-    ring = w * (spec.num_layers * spec.num_q_heads * spec.head_dim * 4 + 8)  # fp32 queries + int64 positions
+    ring = w * (spec.num_layers * spec.num_q_heads * (spec.head_dim + 1) * 4 + 8)  # fp32 queries and their
+    # log-sum-exps, int64 positions
     assert stats["peak_bytes"]["ring"] == ring, "the question's queries alone were observed"
     attn = eager_attention(ids)[:, :, n:, :]  # [L, Hq, w, T]
     score = (attn * torch.arange(n, n + w)[:, None]).mean(2).reshape(3, 2, 2, -1).mean(2)  # [L, Hkv, T]

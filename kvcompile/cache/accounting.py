@@ -77,7 +77,8 @@ class ByteAccounting:
             "page_table": (self.page_table, "tables"), "lengths": (self.lengths, "tables"),
             "n_pages": (self.n_pages, "tables"), "seen": (self.seen, "tables"),
             "token_ids": (self.token_ids, "tables"), "segment_starts": (self.segment_starts, "tables"),
-            "ring.queries": (self.ring.queries, "ring"), "ring.positions": (self.ring.positions, "ring"),
+            "ring.queries": (self.ring.queries, "ring"), "ring.lse": (self.ring.lse, "ring"),
+            "ring.positions": (self.ring.positions, "ring"),
             **{name: (getattr(self, name), kind) for name, kind in FORMAT_KINDS.items()},
         }
 

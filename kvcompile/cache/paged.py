@@ -309,5 +309,7 @@ class PagedKVCache(PagePool, WeightChannel, FormatPool, ByteAccounting, nn.Modul
 
     def program_tensors(self) -> tuple[Tensor, ...]:
         """The tensors a program reads and writes, named and ordered by the calling convention
-        (``signature.CACHE_NAMES``; ``obs_q`` is the observation ring's queries)."""
-        return tuple(self.ring.queries if name == "obs_q" else getattr(self, name) for name in CACHE_NAMES)
+        (``signature.CACHE_NAMES``; ``obs_q`` and ``obs_lse`` are the observation ring's queries and their
+        log-sum-exps)."""
+        ring = {"obs_q": self.ring.queries, "obs_lse": self.ring.lse}
+        return tuple(ring[name] if name in ring else getattr(self, name) for name in CACHE_NAMES)

@@ -130,14 +130,15 @@ def paged_attention(
     return torch.cat(out, 2)
 
 
-def after_held(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, held, scale: float) -> Tensor | None:
+def after_held(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, held, scale: float) -> tuple[Tensor, Tensor] | None:
     """Attention of T new queries q [B, Hq, T, D] at positions q_pos [B, T] over the entries the heads held before
     them (``held``: ``gather_dense``'s views of those alone) and over their own keys and values k, v [B, Hkv, T, D],
     on the CPU, for new tokens at consecutive positions after every held entry (a later prefill chunk, a question read
     after compression, a reconstruction prompt): every query then sees every held entry, so that part takes no causal
     mask, and the new keys a plain causal one. Two flash-attention calls merged by log-sum-exp, where one masked call
-    would score the whole upper triangle it then discards. None, with nothing computed, where a held entry does not
-    stand before the row's first new token (the general path serves)."""
+    would score the whole upper triangle it then discards. Returns the output and its log-sum-exp [B, Hq, T] (fp32);
+    None, with nothing computed, where a held entry does not stand before the row's first new token (the general
+    path serves)."""
     keys, values, positions, valid = held
     B, Hq, T, D = q.shape
     Hkv, S = keys.shape[1], keys.shape[2]
@@ -148,7 +149,7 @@ def after_held(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, held, scale: floa
     new_k, new_v = (x.to(q.dtype).repeat_interleave(G, 1).contiguous() for x in (k, v))
     out, lse = flash(q.contiguous(), new_k, new_v, is_causal=True, scale=scale)
     if S == 0:
-        return out
+        return out, lse
     mask = None if bool(valid.all()) else torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(
         ~valid, float("-inf"))[:, :, None]  # [B, Hkv, 1, S]: one row for every query of the head
     rows = q.reshape(B, Hkv, G * T, D).contiguous()  # each KV head's G query heads read as G x T rows
@@ -157,8 +158,8 @@ def after_held(q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, held, scale: floa
     blind = ~valid.any(-1)[:, :, None]  # a head that held nothing: the op leaves lse 0, the output undefined
     old_lse = old_lse.view(B, Hkv, G * T).masked_fill(blind, float("-inf")).view(B, Hq, T)
     old = old.view(B, Hkv, G * T, D).masked_fill(blind[..., None], 0.0).view(B, Hq, T, D)
-    merged, _ = _merge(old.float(), old_lse, out.float(), lse)
-    return merged.to(q.dtype)
+    merged, total = _merge(old.float(), old_lse, out.float(), lse)
+    return merged.to(q.dtype), total
 
 
 def decode_rows(q: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float,

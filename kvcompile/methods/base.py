@@ -66,7 +66,8 @@ class Observation:
     ``kvcompile.gradients``; None unless declared); hidden: [B, Hkv, S, hidden] each held entry's attention input
     (the ``HiddenStates`` source, ``kvcompile.attention_inputs``; None unless declared); query_input_norms: [B, W] per
     window slot, the norm of that query's attention input (``ProbeInputNorms``; None unless declared; 0 where there
-    was no query).
+    was no query); query_lse: [B, Hq, W] per window slot, the log-sum-exp of the attention that read that query, over
+    what the heads held then (``cache.QueryRing``; NaN where the attention op did not compute it).
     """
 
     keys: Tensor
@@ -86,6 +87,7 @@ class Observation:
     query_gradients: Tensor | None = None
     hidden: Tensor | None = None
     query_input_norms: Tensor | None = None
+    query_lse: Tensor | None = None
 
     def first_query(self) -> Tensor:
         """[B] the position of each row's first observed query (2**62 for a row with none): the window's queries,

@@ -25,9 +25,8 @@ class KVgrad(KVzip):
     def sources(self):
         return QueryWindow(self.window), Reconstruction(), LayerWeights("o_proj"), Gradients()
 
-    def probe_attention(self, obs: Observation, queries: slice, buffer):
-        attn, keys = obs.attention_span(queries, buffer=buffer)
-        return attn.mul_(obs.query_gradients[:, None, None, queries, None]), keys
+    def probe_weights(self, obs: Observation):
+        return obs.query_gradients
 
     def key_weights(self, obs: Observation):
         return output_norms(obs)  # the same for every probe: applied once, after the max over probes

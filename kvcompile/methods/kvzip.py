@@ -62,10 +62,10 @@ class KVzip(Scorer):
         ones = torch.ones(instruction.shape, dtype=torch.bool, device=real.device)
         return torch.cat([instruction, input_ids], 1), torch.cat([ones, real.bool()], 1)
 
-    def probe_attention(self, obs: Observation, queries: slice, buffer) -> tuple[torch.Tensor, slice]:
-        """What the reconstruction queries of the window slice ``queries`` pay each held key of the span they see:
-        [B, Hkv, G, w, s] and the span (``Observation.attention_span``, written into ``buffer``)."""
-        return obs.attention_span(queries, buffer=buffer)
+    def probe_weights(self, obs: Observation):
+        """[B, W] a factor (>= 0) on each reconstruction query's attention before the max over probes (None:
+        none)."""
+        return None
 
     def key_weights(self, obs: Observation):
         """[B, Hq, S] a per-key factor on the best probe's attention (None: none)."""
@@ -74,15 +74,47 @@ class KVzip(Scorer):
     def score_per_query_head(self, obs: Observation):
         B, Hkv, S, _ = obs.keys.shape
         Hq = obs.queries.shape[1]
-        best = torch.zeros(B, Hkv, Hq // Hkv, S, device=obs.keys.device)
-        buffer = obs.block_buffer(self.block)
-        for queries in obs.query_blocks(self.block):
-            attn, keys = self.probe_attention(obs, queries, buffer)
-            torch.maximum(best[..., keys], attn.amax(3), out=best[..., keys])
+        rows = self.probe_weights(obs)
+        best = self._probe_max_by_lse(obs, rows)
+        if best is None:
+            best = torch.zeros(B, Hkv, Hq // Hkv, S, device=obs.keys.device)
+            buffer = obs.block_buffer(self.block)
+            for queries in obs.query_blocks(self.block):
+                attn, keys = obs.attention_span(queries, buffer=buffer)
+                if rows is not None:
+                    attn.mul_(rows[:, None, None, queries, None])
+                torch.maximum(best[..., keys], attn.amax(3), out=best[..., keys])
         best = best.flatten(1, 2)
         weights = self.key_weights(obs)
         best = best if weights is None else best * weights
         return self.context_frame(obs, best)
+
+    def _probe_max_by_lse(self, obs: Observation, rows):
+        """The probe maximum [B, Hkv, G, S] over the context's entries from the log-sum-exp the reconstruction's
+        attention recorded for every query (``Observation.query_lse``): max_i c_i exp(s_ij - lse_i) is
+        exp(max_i (s_ij - lse_i + log c_i)), one product over the context's keys and no softmax. Every context entry
+        stands before every reconstruction query, so none is masked; the reconstruction's own entries are not
+        computed (they are never kept). None where some observed query has no recorded log-sum-exp."""
+        lse, real = obs.query_lse, obs.query_positions >= 0  # [B, Hq, W], [B, W]
+        if lse is None or not bool(torch.isfinite(lse).all(1)[real].all()):
+            return None
+        B, Hkv, S, D = obs.keys.shape
+        G = obs.queries.shape[1] // Hkv
+        context = ((obs.positions < obs.first_query()[:, None, None]) & obs.valid).sum(-1)  # appended after them
+        end = int(context.max())
+        shift = lse if rows is None else lse - rows.log()[:, None]
+        shift = shift.masked_fill(~real[:, None], float("inf"))  # a slot without a query pays nothing
+        best = torch.full((B, Hkv, G, S), float("-inf"), device=obs.keys.device)
+        keys = obs.keys[:, :, :end].float().transpose(-1, -2)
+        buffer = obs.block_buffer(self.block)
+        for queries in obs.query_blocks(self.block):
+            q = obs.queries[:, :, queries]
+            w = q.shape[2]
+            logits = buffer[: B * Hkv * G * w * end].view(B, Hkv, G * w, end)
+            torch.matmul(q.reshape(B, Hkv, G * w, D).float() * obs.scale, keys, out=logits)
+            logits.sub_(shift[:, :, queries].reshape(B, Hkv, G * w, 1))
+            torch.maximum(best[..., :end], logits.view(B, Hkv, G, w, end).amax(3), out=best[..., :end])
+        return best.exp_()
 
     def context_frame(self, obs: Observation, scores):
         """``scores`` [B, H, S] (H = Hkv or Hq) with the reconstruction's own tokens at -inf (never kept) and the

@@ -26,10 +26,8 @@ class KVzipPlus(KVzip):
     def sources(self):
         return QueryWindow(self.window), Reconstruction(), LayerWeights("o_proj"), ProbeInputNorms()
 
-    def probe_attention(self, obs: Observation, queries: slice, buffer):
-        attn, keys = obs.attention_span(queries, buffer=buffer)
-        norms = obs.query_input_norms[:, None, None, queries, None]  # 0 where a slot holds no query (attention 0)
-        return attn.div_(norms.clamp_min(1e-12)), keys
+    def probe_weights(self, obs: Observation):
+        return 1.0 / obs.query_input_norms.clamp_min(1e-12)  # a slot without a query has no attention to scale
 
     def key_weights(self, obs: Observation):
         return output_norms(obs)
