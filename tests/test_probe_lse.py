@@ -1,6 +1,7 @@
 """KVzip's probe maximum from the log-sum-exp the reconstruction's attention records (``Observation.query_lse``):
-the same scores as the softmax it replaces, for KVzip and for the probes weighted per query (KVzip+), and the same
-kept entries through the public API as a batch whose padding leaves the log-sum-exp unrecorded."""
+the same scores as the softmax it replaces, for KVzip, KVCompose's maximum and the probes weighted per query
+(KVzip+), and the same kept entries through the public API as a batch whose padding leaves the log-sum-exp
+unrecorded."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from conftest import VOCAB, fresh_seed
 
 import kvcompile
 from kvcompile.methods import Observation
+from kvcompile.methods.kvcompose import KVCompose
 from kvcompile.methods.kvzip import KVzip
 from kvcompile.methods.kvzip_plus import KVzipPlus
 
@@ -33,7 +35,7 @@ def test_the_probe_maximum_from_the_recorded_lse_is_the_softmax_one():
     args, lse, n = reconstruction(fresh_seed())
     norms = torch.rand(lse.shape[0], lse.shape[2]) * 3 + 0.1
     w_o = torch.randn(16, lse.shape[1] * args[0].shape[-1])
-    for scorer, extra in ((KVzip(n_sink=0), {}),
+    for scorer, extra in ((KVzip(n_sink=0), {}), (KVCompose(), {}),
                           (KVzipPlus(n_sink=0), {"weights": {"o_proj": w_o}, "query_input_norms": norms})):
         softmax = scorer.score(Observation(*args, **extra))
         recorded = scorer.score(Observation(*args, **extra, query_lse=lse))
