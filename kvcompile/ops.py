@@ -104,21 +104,19 @@ def _observe(obs_q: Tensor, layer: int, q: Tensor, ring_slots: Tensor, decode: b
         at = (torch.full_like(b, layer), b, heads.expand(B, Hq), ring_slots.expand(B, Hq))
         obs_q.index_put_(at, q[:, :, 0].to(obs_q.dtype))
         return
-    row, t = (ring_slots < C).nonzero(as_tuple=True)  # prefill is an opaque op: data-dependent shapes are fine
-    b, h = row[:, None].expand(-1, Hq), heads.expand(row.numel(), Hq)
-    at = (torch.full_like(b, layer), b, h, ring_slots[row, t][:, None].expand(-1, Hq))
-    obs_q.index_put_(at, q[row, :, t].to(obs_q.dtype))
+    _write_ring(obs_q, layer, q, ring_slots)
 
 
-def _observe_lse(obs_lse: Tensor, layer: int, lse: Tensor, ring_slots: Tensor) -> None:
-    """Write the log-sum-exp [B, Hq, T] of a prefill's queries into the ring slots they were written to."""
-    L, B, Hq, C = obs_lse.shape
+def _write_ring(ring: Tensor, layer: int, values: Tensor, ring_slots: Tensor) -> None:
+    """Write a prefill's per-query ``values`` [B, Hq, T, ...] (its queries, their log-sum-exps) into the ring tensor
+    ``ring`` [L, B, Hq, C, ...] at the slots the cache chose (C = nowhere)."""
+    Hq, C = ring.shape[2], ring.shape[3]
     if C == 0:
         return
-    row, t = (ring_slots < C).nonzero(as_tuple=True)
-    b, h = row[:, None].expand(-1, Hq), torch.arange(Hq, device=lse.device).expand(row.numel(), Hq)
+    row, t = (ring_slots < C).nonzero(as_tuple=True)  # prefill is an opaque op: data-dependent shapes are fine
+    b, h = row[:, None].expand(-1, Hq), torch.arange(Hq, device=values.device).expand(row.numel(), Hq)
     at = (torch.full_like(b, layer), b, h, ring_slots[row, t][:, None].expand(-1, Hq))
-    obs_lse.index_put_(at, lse[row, :, t].float())
+    ring.index_put_(at, values[row, :, t].to(ring.dtype))
 
 
 def _on_gpu(t: Tensor) -> bool:
@@ -150,7 +148,7 @@ def _attend(
                 out = reference.paged_attention(*args, stored=stored, log_weights=page_lw)
             else:
                 out, lse = merged
-                _observe_lse(obs_lse, layer, lse, ring_slots)
+                _write_ring(obs_lse, layer, lse, ring_slots)
         return out.contiguous()
     if backend == "flex":
         return _flex_decode(args, page_lw)
@@ -176,8 +174,12 @@ def _first_chunk(q_pos, lengths, stored, window) -> bool:
     uncompressed model makes, without reading back what was just written (a new entry's log-weight is 0, so weights
     change nothing)."""
     T = q_pos.shape[1]
-    return (window == 0 and not stored.holds_entries() and bool((lengths == T).all())
-            and bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all()))
+    return window == 0 and not stored.holds_entries() and bool((lengths == T).all()) and _consecutive(q_pos)
+
+
+def _consecutive(q_pos: Tensor) -> bool:
+    """Whether each row's T new tokens stand at consecutive positions (so none is padding after its first)."""
+    return bool((q_pos == q_pos[:, :1] + torch.arange(q_pos.shape[1], device=q_pos.device)).all())
 
 
 def _after_held(q, k, v, q_pos, k_pages, v_pages, page_pos, page_table, lengths, page_lw, stored, scale, window):
@@ -186,9 +188,7 @@ def _after_held(q, k, v, q_pos, k_pages, v_pages, page_pos, page_table, lengths,
     entry and no entry in a format pool; None elsewhere."""
     T = q_pos.shape[1]
     if (q.device.type != "cpu" or window > 0 or page_lw.shape[0] > 0 or stored.holds_entries()
-            or not bool((lengths >= T).all())
-            or not bool((q_pos == q_pos[:, :1] + torch.arange(T, device=q_pos.device)).all())
-            or not bool((q_pos[:, 0] >= 0).all())):
+            or not bool((lengths >= T).all()) or not _consecutive(q_pos) or not bool((q_pos[:, 0] >= 0).all())):
         return None
     before = lengths - T
     pages = -(-int(before.max()) // k_pages.shape[1])  # as far as the longest head held

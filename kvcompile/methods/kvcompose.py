@@ -40,16 +40,14 @@ class KVCompose(KVzip):
 
     def score(self, obs: Observation):
         B, Hkv, S, _ = obs.keys.shape
-        agg = self._probe_max_by_lse(obs, None) if self.agg_task == "max" else None  # KVzip's probe maximum
-        if agg is None:
+        if self.agg_task == "max":
+            agg = self.probe_max(obs)  # KVzip's probe maximum
+        else:
             agg = torch.zeros(B, Hkv, obs.queries.shape[1] // Hkv, S, device=obs.keys.device)
             buffer = obs.block_buffer(self.block)
             for queries in obs.query_blocks(self.block):
                 attn, keys = obs.attention_span(queries, buffer=buffer)  # [B, Hkv, G, w, s] over the keys they see
-                if self.agg_task == "max":
-                    torch.maximum(agg[..., keys], attn.amax(3), out=agg[..., keys])
-                else:
-                    agg[..., keys] += attn.sum(3)
+                agg[..., keys] += attn.sum(3)
         agg = agg.flatten(1, 2)
         if self.agg_task == "mean":
             agg = agg / (obs.query_positions >= 0).sum(-1).clamp_min(1)[:, None, None]

@@ -72,22 +72,27 @@ class KVzip(Scorer):
         return None
 
     def score_per_query_head(self, obs: Observation):
-        B, Hkv, S, _ = obs.keys.shape
-        Hq = obs.queries.shape[1]
-        rows = self.probe_weights(obs)
-        best = self._probe_max_by_lse(obs, rows)
-        if best is None:
-            best = torch.zeros(B, Hkv, Hq // Hkv, S, device=obs.keys.device)
-            buffer = obs.block_buffer(self.block)
-            for queries in obs.query_blocks(self.block):
-                attn, keys = obs.attention_span(queries, buffer=buffer)
-                if rows is not None:
-                    attn.mul_(rows[:, None, None, queries, None])
-                torch.maximum(best[..., keys], attn.amax(3), out=best[..., keys])
-        best = best.flatten(1, 2)
+        best = self.probe_max(obs, self.probe_weights(obs)).flatten(1, 2)
         weights = self.key_weights(obs)
         best = best if weights is None else best * weights
         return self.context_frame(obs, best)
+
+    def probe_max(self, obs: Observation, rows=None):
+        """[B, Hkv, G, S] the largest attention any observed query pays each held entry, each query's attention
+        times its factor in ``rows`` [B, W] (None: 1): from the recorded log-sum-exps where every query has one
+        (``_probe_max_by_lse``), else from each block's softmax over the keys it sees."""
+        best = self._probe_max_by_lse(obs, rows)
+        if best is not None:
+            return best
+        B, Hkv, S, _ = obs.keys.shape
+        best = torch.zeros(B, Hkv, obs.queries.shape[1] // Hkv, S, device=obs.keys.device)
+        buffer = obs.block_buffer(self.block)
+        for queries in obs.query_blocks(self.block):
+            attn, keys = obs.attention_span(queries, buffer=buffer)
+            if rows is not None:
+                attn.mul_(rows[:, None, None, queries, None])
+            torch.maximum(best[..., keys], attn.amax(3), out=best[..., keys])
+        return best
 
     def _probe_max_by_lse(self, obs: Observation, rows):
         """The probe maximum [B, Hkv, G, S] over the context's entries from the log-sum-exp the reconstruction's
